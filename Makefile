@@ -1,0 +1,38 @@
+# Two entry points for a newcomer: `make demo` (the main job) and `make test`.
+PY ?= python3
+PIP ?= $(PY) -m pip
+APT_PKGS := etcd-server redis-server
+
+.PHONY: demo install install-test system-deps lint typecheck test bench
+
+install:
+	$(PIP) install -q -e ".[engine,cli]"
+
+demo: install
+	kvstore demo
+
+system-deps:
+	@if command -v etcd >/dev/null 2>&1 && command -v redis-server >/dev/null 2>&1; then \
+		echo "system deps present"; \
+	elif [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT_PKGS) >/dev/null; \
+	else \
+		echo "install $(APT_PKGS) (needs root/apt-get)"; exit 1; \
+	fi
+
+install-test: system-deps
+	$(PIP) install -q -e ".[test,engine,cli]"
+
+lint:
+	$(PY) -m ruff check kvstore engine tests benchmarks
+	$(PY) -m ruff format --check kvstore engine tests benchmarks
+
+typecheck:
+	$(PY) -m mypy kvstore engine
+
+test: install-test lint typecheck
+	$(PY) -m pytest -q -x --durations=15
+
+bench: install-test
+	$(PY) benchmarks/bench_node.py
+	$(PY) benchmarks/bench_ssd.py

@@ -1,0 +1,694 @@
+"""SSD tier: block bytes in one slab file, an lmdb index saying where they are.
+
+Why not lmdb values: lmdb moves every value through its page cache (or a dirtied mmap
+with writemap) and wrote 1 MiB values at 0.9-1.95 GB/s where the disk takes O_DIRECT at
+2.8 GB/s. Here payloads go from the caller's buffer to the device with O_DIRECT and lmdb
+holds only small records, so a commit costs tens of microseconds (benchmarks/bench_ssd.py).
+
+Layout: ``index/`` (lmdb: db "records", key -> offset u64, extent u64, packed header;
+db "meta"), ``slab`` (``capacity`` bytes, sparse) and ``LOCK`` (flock: one process per
+directory). A record is one extent of whole pages, a header page then the payload padded
+to a page: the payload starts page aligned, so an aligned caller buffer (a shared-memory
+slab) moves with no staging copy, and for page-multiple payloads the header page costs
+what an inline header would (header + payload round up to the same page count).
+
+Crash consistency: data first, index commit last. An extent is written while nothing
+references it and is visible only once its lmdb transaction commits, so a process killed
+anywhere leaves the old version or the new one, never half a block; the index commit
+plays the part of DESIGN's temp-file rename. The allocator is rebuilt from the index on
+open (free space = the gaps). Bytes that rot on disk, or an index rolled back past a
+reused extent (power loss with sync=False), fail the checks on read (on-disk header
+equals the indexed one, payload matches its xxh3): the record is dropped, never served.
+With ``sync=False`` (a cache's default) a clean close or a process crash loses nothing
+committed; power loss may lose recent commits, and an index lmdb finds corrupt is reset
+to empty. ``sync=True`` fdatasyncs the slab before each commit and commits synchronously.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import shutil
+import struct
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import numpy as np
+
+from kvstore.blocks import HEADER_SIZE, BlockHeader, verify_payload
+from kvstore.errors import (
+    BlockTooLarge,
+    CapacityError,
+    ClosedError,
+    ConfigError,
+    ConflictError,
+    CorruptBlock,
+    InvalidValue,
+    KVStoreError,
+    NotFound,
+    StorageError,
+)
+from kvstore.keys import as_key
+from kvstore.tiers.base import Tier, TierKind
+
+__all__ = ["PAGE", "DiskTier", "extent_len"]
+
+PAGE = 4096  # allocation unit and O_DIRECT alignment (>= any device's logical block)
+_FORMAT = b"kvstore-disk/1"
+_LOC = struct.Struct("<QQ")  # extent offset, extent length
+_O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+_RESET_ERRORS = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError)
+
+
+def _round_up(n: int) -> int:
+    return -(-n // PAGE) * PAGE
+
+
+def extent_len(payload_len: int) -> int:
+    """Bytes a block with this payload occupies in the slab: header page + padded payload."""
+    return PAGE + _round_up(payload_len)
+
+
+@contextmanager
+def _io_errors(what: str) -> Iterator[None]:
+    """The one place lmdb and OS errors become StorageError (our own errors pass)."""
+    try:
+        yield
+    except KVStoreError:
+        raise
+    except (OSError, lmdb.Error) as exc:
+        raise StorageError(f"{what}: {exc}") from exc
+
+
+def _address(buf: np.ndarray) -> int:
+    return int(buf.ctypes.data)
+
+
+@dataclass(frozen=True, slots=True)
+class _Record:
+    """Where one block lives. ``raw`` is the packed header, compared bytewise on reads."""
+
+    offset: int
+    length: int
+    header: BlockHeader
+    raw: bytes
+
+
+class _Extents:
+    """Free space of the slab as page-aligned extents; guarded by DiskTier's lock.
+
+    A store's blocks are nearly all one size, so an exact-size free list serves almost
+    every allocation in O(1); otherwise bump the high-water mark, and only then first-fit
+    over the free extents. Freed neighbours coalesce, and free space touching the
+    high-water mark lowers it, so mixed sizes do not fragment the slab for good.
+    """
+
+    __slots__ = ("_by_end", "_by_len", "_by_start", "size", "top")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.top = 0
+        self._by_start: dict[int, int] = {}
+        self._by_end: dict[int, int] = {}
+        self._by_len: dict[int, set[int]] = {}
+
+    def rebuild(self, used: list[tuple[int, int]]) -> None:
+        """Derive free space from the extents in use (sorted by offset, disjoint)."""
+        pos = 0
+        for start, length in used:
+            if start > pos:
+                self._insert(pos, start - pos)
+            pos = start + length
+        self.top = pos
+
+    def alloc(self, n: int) -> int | None:
+        """Offset of a fresh extent of ``n`` bytes, or None if no free run is that long."""
+        starts = self._by_len.get(n)
+        if starts:
+            start = next(iter(starts))
+            self._remove(start, n)
+            return start
+        if self.top + n <= self.size:
+            start, self.top = self.top, self.top + n
+            return start
+        for start, length in self._by_start.items():
+            if length >= n:
+                self._remove(start, length)
+                if length > n:
+                    self._insert(start + n, length - n)
+                return start
+        return None
+
+    def can_alloc(self, n: int) -> bool:
+        """Whether :meth:`alloc` of ``n`` would succeed now."""
+        if self._by_len.get(n) or self.top + n <= self.size:
+            return True
+        return any(length >= n for length in self._by_start.values())
+
+    def free(self, start: int, n: int) -> None:
+        """Return an extent, merging it with free neighbours."""
+        prev = self._by_end.get(start)
+        if prev is not None:
+            plen = self._by_start[prev]
+            self._remove(prev, plen)
+            start, n = prev, n + plen
+        nlen = self._by_start.get(start + n)
+        if nlen is not None:
+            self._remove(start + n, nlen)
+            n += nlen
+        if start + n == self.top:
+            self.top = start
+        else:
+            self._insert(start, n)
+
+    def _insert(self, start: int, n: int) -> None:
+        self._by_start[start] = n
+        self._by_end[start + n] = start
+        self._by_len.setdefault(n, set()).add(start)
+
+    def _remove(self, start: int, n: int) -> None:
+        del self._by_start[start]
+        del self._by_end[start + n]
+        starts = self._by_len[n]
+        starts.discard(start)
+        if not starts:
+            del self._by_len[n]
+
+
+class _Slab:
+    """The data file and the bytes moved in and out of it; knows nothing of keys or space.
+
+    O_DIRECT when the filesystem allows it (tmpfs refuses it with EINVAL), else buffered
+    I/O. Direct I/O needs page-aligned memory and lengths: aligned caller buffers are used
+    as they are, anything else goes through a per-thread mmap-allocated staging buffer.
+    """
+
+    def __init__(self, path: Path, size: int) -> None:
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+        self._local = threading.local()
+        self.direct = False
+        if _O_DIRECT:
+            try:
+                self.fd = os.open(path, flags | _O_DIRECT, 0o600)
+                self.direct = True
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+        if not self.direct:
+            self.fd = os.open(path, flags, 0o600)
+        try:
+            self._size_to(size)
+            if self.direct and not self._direct_works():
+                os.close(self.fd)
+                self.direct = False
+                self.fd = os.open(path, flags, 0o600)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def _size_to(self, size: int) -> None:
+        """Size the file sparse, once the filesystem is known to have room for all of it.
+
+        Not posix_fallocate: first-fill writes into preallocated (unwritten) ext4 extents
+        measured ~30% slower than writes into holes. The check at open catches a wrong
+        capacity; a disk filled by others later fails writes with StorageError.
+        """
+        missing = size - os.fstat(self.fd).st_blocks * 512
+        vfs = os.fstatvfs(self.fd)
+        if missing > vfs.f_bavail * vfs.f_frsize:
+            raise ConfigError(f"SSD tier of {size} bytes: only {vfs.f_bavail * vfs.f_frsize} free")
+        os.ftruncate(self.fd, size)
+
+    def _direct_works(self) -> bool:
+        try:
+            probe: list[Any] = [self.staging(PAGE)[:PAGE]]
+            os.preadv(self.fd, probe, 0)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                return False
+            raise
+        return True
+
+    def staging(self, n: int) -> np.ndarray:
+        """This thread's page-aligned scratch buffer, at least ``n`` bytes."""
+        buf: np.ndarray | None = getattr(self._local, "buf", None)
+        if buf is None or buf.nbytes < n:
+            size = -(-max(n, 1 << 20) // (1 << 20)) << 20
+            buf = np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8)
+            buf.fill(0)  # first touch here, not in a timed read
+            self._local.buf = buf
+        return buf
+
+    def _usable(self, buf: np.ndarray) -> bool:
+        return not self.direct or (_address(buf) % PAGE == 0 and buf.nbytes % PAGE == 0)
+
+    def write(self, offset: int, raw: bytes, payload: np.ndarray) -> None:
+        """Write one record's header page and payload at ``offset``."""
+        n = payload.nbytes
+        if self._usable(payload):
+            page = self.staging(PAGE)[:PAGE]
+            page[:HEADER_SIZE] = np.frombuffer(raw, dtype=np.uint8)
+            page[HEADER_SIZE:] = 0
+            bufs: list[Any] = [page, payload]
+        else:
+            buf = self.staging(extent_len(n))[: extent_len(n)]
+            buf[:HEADER_SIZE] = np.frombuffer(raw, dtype=np.uint8)
+            buf[HEADER_SIZE:PAGE] = 0
+            buf[PAGE : PAGE + n] = payload
+            buf[PAGE + n :] = 0
+            bufs = [buf]
+        if os.pwritev(self.fd, bufs, offset) != sum(b.nbytes for b in bufs):
+            raise OSError(errno.ENOSPC, "short write to the slab")  # a full disk, in practice
+
+    def read(self, offset: int, n: int, out: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
+        """Read a record: (header page, payload, staged). The payload lands in ``out[:n]``
+        when it can go there directly, else in staging (checked, then copied by the caller)."""
+        dst = out[:n]
+        if self._usable(dst):
+            page = self.staging(PAGE)[:PAGE]
+            bufs: list[Any] = [page, dst]
+            payload = dst
+        else:
+            buf = self.staging(extent_len(n))[: extent_len(n)]
+            bufs, page, payload = [buf], buf[:PAGE], buf[PAGE : PAGE + n]
+        got = os.preadv(self.fd, bufs, offset)
+        if got < PAGE + n:
+            raise CorruptBlock(f"slab holds {got} of {PAGE + n} bytes at offset {offset}")
+        return page, payload, payload is not dst
+
+    def read_page(self, offset: int) -> np.ndarray:
+        """The header page at ``offset``."""
+        page = self.staging(PAGE)[:PAGE]
+        bufs: list[Any] = [page]
+        if os.preadv(self.fd, bufs, offset) < PAGE:
+            raise CorruptBlock(f"slab truncated at offset {offset}")
+        return page
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class DiskTier(Tier):
+    """The SSD tier: persistent, crash-consistent, reopened with its blocks after a restart.
+
+    Sizes are bytes allocated on disk (:func:`extent_len`): a page-multiple payload + a page.
+    """
+
+    kind = TierKind.SSD
+
+    def __init__(self, path: str | os.PathLike[str], capacity: int, *, sync: bool = False):
+        if capacity < 2 * PAGE:
+            raise ConfigError(f"SSD tier capacity must be at least {2 * PAGE} bytes")
+        self._path = Path(path)
+        self._size = capacity // PAGE * PAGE
+        self._sync = sync
+        self.corrupt_count = 0  # records dropped because their bytes did not verify
+        # Concurrency contract. ``_cond`` (a Condition over one plain Lock) guards every
+        # field below and serializes index transactions, so the lmdb commit order is the
+        # order in which versions become visible. Bulk I/O on the slab runs outside it:
+        # a writer owns its freshly allocated extent, which nothing references until its
+        # index commit; a reader pins the extent it reads, and an extent freed (deleted,
+        # overwritten, found corrupt) while pinned goes back to the allocator only when
+        # its last reader unpins, so it is never reused under a reader. ``close`` sets
+        # ``_closed`` and waits for ``_inflight`` to drain before closing any file. No
+        # other lock is taken while holding it (lmdb's internal write mutex excepted).
+        self._cond = threading.Condition(threading.Lock())
+        self._records: dict[bytes, _Record] = {}
+        self._extents = _Extents(self._size)
+        self._used = 0
+        self._pins: dict[int, int] = {}  # extent offset -> readers in flight
+        self._deferred: dict[int, int] = {}  # offset -> length, freed while pinned
+        self._inflight = 0
+        self._closed = False
+        self._lock_fd: int | None = None
+        self._env: Any = None
+        self._slab: _Slab | None = None
+        try:
+            with _io_errors(f"opening SSD tier at {self._path}"):
+                self._path.mkdir(parents=True, exist_ok=True)
+                self._lock_dir()
+                try:
+                    self._open_index()
+                except _RESET_ERRORS:  # a cache may start empty; it may not refuse to start
+                    if self._env is not None:
+                        self._env.close()
+                    self._env = None
+                    shutil.rmtree(self._path / "index")
+                    self._open_index()
+                self._slab = _Slab(self._path / "slab", self._size)
+        except BaseException:
+            self._release()
+            raise
+
+    def _lock_dir(self) -> None:
+        fd = os.open(self._path / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            os.close(fd)
+            raise ConflictError(f"SSD tier {self._path} is open elsewhere") from exc
+        self._lock_fd = fd
+
+    def _open_index(self) -> None:
+        """Open lmdb, then load and check every record and rebuild the allocator from it."""
+        entries = self._size // (2 * PAGE) + 1  # at most one record per two pages
+        self._env = lmdb.open(
+            str(self._path / "index"),
+            map_size=max(64 << 20, _round_up(entries * 512)),
+            max_dbs=2,
+            sync=self._sync,
+            metasync=self._sync,
+            readahead=False,
+            meminit=False,
+        )
+        self._db = self._env.open_db(b"records")
+        meta = self._env.open_db(b"meta")
+        with self._env.begin(write=True) as txn:
+            fmt = txn.get(b"format", db=meta)
+            if fmt is None:
+                txn.put(b"format", _FORMAT, db=meta)
+            elif fmt != _FORMAT:
+                raise StorageError(f"{self._path} holds format {fmt!r}, not {_FORMAT!r}")
+        found: list[tuple[bytes, _Record]] = []
+        bad: list[bytes] = []
+        with self._env.begin(db=self._db) as txn:
+            for key, value in txn.cursor():
+                rec = self._decode(key, value)
+                if rec is None:
+                    bad.append(key)
+                else:
+                    found.append((key, rec))
+        found.sort(key=lambda item: item[1].offset)
+        records: dict[bytes, _Record] = {}
+        end = 0
+        for key, rec in found:
+            if rec.offset < end:  # overlaps its neighbour: one of them is wrong
+                bad.append(key)
+                continue
+            records[key] = rec
+            end = rec.offset + rec.length
+        if bad:
+            with self._env.begin(write=True, db=self._db) as txn:
+                for key in bad:
+                    txn.delete(key)
+            self.corrupt_count += len(bad)
+        self._records = records
+        live = [(r.offset, r.length) for r in records.values()]  # sorted by offset
+        self._extents.rebuild(live)
+        self._used = sum(length for _, length in live)
+
+    def _decode(self, key: bytes, value: bytes) -> _Record | None:
+        if len(key) != 16 or len(value) != _LOC.size + HEADER_SIZE:
+            return None
+        offset, length = _LOC.unpack_from(value)
+        try:
+            header = BlockHeader.unpack(value[_LOC.size :])
+        except CorruptBlock:
+            return None
+        if (
+            header.key != key
+            or offset % PAGE
+            or length != extent_len(header.payload_len)
+            or offset + length > self._size  # a reopen with a smaller capacity drops it
+        ):
+            return None
+        return _Record(offset, length, header, bytes(value[_LOC.size :]))
+
+    @property
+    def capacity(self) -> int:
+        """Slab size: the capacity asked for, rounded down to a page."""
+        return self._size
+
+    @property
+    def used(self) -> int:
+        """Bytes of extents allocated, including ones being written or still being read."""
+        return self._used
+
+    def footprint(self, nbytes: int) -> int:
+        """Bytes a block of ``nbytes`` (header + payload) takes on disk."""
+        return extent_len(max(nbytes - HEADER_SIZE, 0))
+
+    def fits_ever(self, nbytes: int) -> bool:
+        return self.footprint(nbytes) <= self._size
+
+    def has_room(self, nbytes: int) -> bool:
+        """Whether a block of ``nbytes`` (header + payload) can be written right now.
+
+        Exact, not a byte count: it answers whether one contiguous extent is free.
+        """
+        need = self.footprint(nbytes)
+        with self._cond:
+            self._check_open()
+            return self._extents.can_alloc(need)
+
+    def __len__(self) -> int:
+        with self._cond:
+            self._check_open()
+            return len(self._records)
+
+    def __contains__(self, key: object) -> bool:
+        with self._cond:
+            self._check_open()
+            return isinstance(key, bytes) and key in self._records
+
+    def write(self, key: bytes, header: bytes, payload: Any) -> None:
+        """Store a block (replacing any older version once this one is committed).
+
+        ``header`` is ``BlockHeader.pack()`` output for this key and payload; the payload's
+        checksum is trusted (it was computed from the writer's bytes) and checked on read.
+        """
+        key = as_key(key)
+        hdr = self._check_header(key, header)
+        try:
+            src = np.frombuffer(memoryview(payload).cast("B"), dtype=np.uint8)
+        except (TypeError, ValueError) as exc:
+            raise InvalidValue("payload must be a C-contiguous buffer") from exc
+        if src.nbytes != hdr.payload_len:
+            raise InvalidValue(f"payload is {src.nbytes} bytes, header says {hdr.payload_len}")
+        need = extent_len(src.nbytes)
+        if need > self._size:
+            raise BlockTooLarge(f"a {need}-byte extent never fits a {self._size}-byte SSD tier")
+        with self._cond:
+            self._check_open()
+            offset = self._extents.alloc(need)
+            if offset is None:
+                raise CapacityError(f"no free {need}-byte extent in the SSD tier")
+            self._used += need
+            self._inflight += 1
+        committed = False
+        try:
+            with _io_errors("SSD tier write"):
+                assert self._slab is not None
+                self._slab.write(offset, bytes(header), src)
+                if self._sync:
+                    os.fdatasync(self._slab.fd)
+            self._commit_record(key, _Record(offset, need, hdr, bytes(header)))
+            committed = True
+        finally:
+            with self._cond:
+                if not committed:
+                    self._release_extent(offset, need)
+                self._inflight -= 1
+                self._cond.notify_all()
+
+    def _check_header(self, key: bytes, header: bytes) -> BlockHeader:
+        if len(header) != HEADER_SIZE:
+            raise InvalidValue(f"header must be {HEADER_SIZE} bytes, got {len(header)}")
+        try:
+            hdr = BlockHeader.unpack(header)
+        except CorruptBlock as exc:
+            raise InvalidValue(f"header does not parse: {exc}") from exc
+        if hdr.key != key:
+            raise InvalidValue("header names another key")
+        return hdr
+
+    def _commit_record(self, key: bytes, rec: _Record) -> None:
+        """Make ``rec`` the visible version of ``key``: the index commit is the
+        linearization point, after the data is on disk."""
+        with self._cond:
+            with _io_errors("SSD index commit"), self._env.begin(write=True, db=self._db) as txn:
+                txn.put(key, _LOC.pack(rec.offset, rec.length) + rec.raw)
+            old = self._records.get(key)
+            self._records[key] = rec
+            if old is not None:
+                self._free(old)
+
+    def delete(self, key: bytes) -> int:
+        """Remove a block; returns the bytes its extent held (0 if absent)."""
+        key = as_key(key)
+        with self._cond:
+            self._check_open()
+            rec = self._records.get(key)
+            if rec is None:
+                return 0
+            self._drop(key, rec)
+            return rec.length
+
+    def _drop(self, key: bytes, rec: _Record) -> None:  # caller holds the lock
+        with _io_errors("SSD index delete"), self._env.begin(write=True, db=self._db) as txn:
+            txn.delete(key)
+        del self._records[key]
+        self._free(rec)
+
+    def _free(self, rec: _Record) -> None:  # caller holds the lock
+        if self._pins.get(rec.offset):
+            self._deferred[rec.offset] = rec.length
+        else:
+            self._release_extent(rec.offset, rec.length)
+
+    def _release_extent(self, offset: int, length: int) -> None:  # caller holds the lock
+        self._extents.free(offset, length)
+        self._used -= length
+
+    def read_header(self, key: bytes) -> BlockHeader | None:
+        """The indexed header of a block (no disk I/O), or None."""
+        key = as_key(key)
+        with self._cond:
+            self._check_open()
+            rec = self._records.get(key)
+            return None if rec is None else rec.header
+
+    def read_into(self, key: bytes, out: Any) -> BlockHeader:
+        """Read a block's payload into ``out[:payload_len]`` and verify it.
+
+        Raises NotFound on a miss and CorruptBlock (after dropping the record) when the
+        on-disk header or payload does not verify. When it raises, ``out`` may hold
+        garbage: the engine must treat the call as a miss.
+        """
+        key = as_key(key)
+        try:
+            dst = np.frombuffer(memoryview(out).cast("B"), dtype=np.uint8)
+        except (TypeError, ValueError) as exc:
+            raise InvalidValue("out must be a writable C-contiguous buffer") from exc
+        if not dst.flags.writeable:
+            raise InvalidValue("out is read-only")
+        rec = self._pin(key)
+        if rec is None:
+            raise NotFound(f"block {key.hex()} is not in the SSD tier")
+        try:
+            n = rec.header.payload_len
+            if dst.nbytes < n:
+                raise InvalidValue(f"out holds {dst.nbytes} bytes, block has {n}")
+            try:
+                with _io_errors("SSD tier read"):
+                    assert self._slab is not None
+                    page, payload, staged = self._slab.read(rec.offset, n, dst)
+                    self._verify(key, rec, page)
+                    verify_payload(rec.header, payload)
+            except CorruptBlock:
+                self._drop_corrupt(key, rec)
+                raise
+            if staged:
+                dst[:n] = payload
+            return rec.header
+        finally:
+            self._unpin(rec)
+
+    def scan(self, *, verify: bool = True) -> Iterator[tuple[bytes, BlockHeader]]:
+        """Every block held, as (key, header): how a restarted node re-announces its SSD.
+
+        With ``verify`` each record's on-disk header is read and compared with the index
+        (one page read per block); records that differ are dropped, not listed. Payload
+        checksums are left to :meth:`read_into`, which reads the bytes anyway.
+        """
+        with self._cond:
+            self._check_open()
+            keys = list(self._records)
+        for key in keys:
+            rec = self._pin(key)
+            if rec is None:
+                continue  # deleted since the listing began
+            try:
+                if verify:
+                    try:
+                        with _io_errors("SSD tier scan"):
+                            assert self._slab is not None
+                            self._verify(key, rec, self._slab.read_page(rec.offset))
+                    except CorruptBlock:
+                        self._drop_corrupt(key, rec)
+                        continue
+            finally:
+                self._unpin(rec)
+            yield key, rec.header
+
+    @staticmethod
+    def _verify(key: bytes, rec: _Record, page: np.ndarray) -> None:
+        if rec.header.key != key or page[:HEADER_SIZE].tobytes() != rec.raw:
+            raise CorruptBlock(f"on-disk header of {key.hex()} differs from the index")
+
+    def _pin(self, key: bytes) -> _Record | None:
+        with self._cond:
+            self._check_open()
+            rec = self._records.get(key)
+            if rec is not None:
+                self._pins[rec.offset] = self._pins.get(rec.offset, 0) + 1
+                self._inflight += 1
+            return rec
+
+    def _unpin(self, rec: _Record) -> None:
+        with self._cond:
+            left = self._pins[rec.offset] - 1
+            if left:
+                self._pins[rec.offset] = left
+            else:
+                del self._pins[rec.offset]
+                length = self._deferred.pop(rec.offset, None)
+                if length is not None:
+                    self._release_extent(rec.offset, length)
+            self._inflight -= 1
+            self._cond.notify_all()
+
+    def _drop_corrupt(self, key: bytes, rec: _Record) -> None:
+        with self._cond:
+            self.corrupt_count += 1
+            if self._records.get(key) is rec:  # not already replaced by a newer version
+                self._drop(key, rec)
+
+    def _check_open(self) -> None:  # caller holds the lock
+        if self._closed:
+            raise ClosedError(f"SSD tier {self._path} is closed")
+
+    def close(self) -> None:
+        """Wait for in-flight reads and writes, flush, release the files; idempotent."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            while self._inflight:
+                self._cond.wait()
+        try:
+            with _io_errors("closing SSD tier"):
+                if self._slab is not None:
+                    os.fsync(self._slab.fd)
+                if self._env is not None:
+                    self._env.sync(True)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        self._closed = True
+        if self._slab is not None:
+            self._slab.close()
+            self._slab = None
+        if self._env is not None:
+            self._env.close()
+            self._env = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # drops the flock
+            self._lock_fd = None
+
+    def __enter__(self) -> DiskTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"DiskTier({str(self._path)!r}, used={self._used}, capacity={self._size})"
