@@ -59,8 +59,10 @@ def _demo_tables(report: dict[str, Any]) -> None:
         ("demotions DRAM->SSD", c.get("demotions_dram", 0)),
         ("promotions SSD->DRAM", c.get("promotions", 0)),
         ("evicted from SSD", c.get("evictions_ssd", 0)),
-        ("bytes in / out", f"{_fmt_bytes(c.get('bytes_in', 0))} / "
-         f"{_fmt_bytes(c.get('bytes_out', 0))}"),
+        (
+            "bytes in / out",
+            f"{_fmt_bytes(c.get('bytes_in', 0))} / {_fmt_bytes(c.get('bytes_out', 0))}",
+        ),
         ("wall time", f"{report['seconds']:.1f} s"),
     ]
     for k, v in rows:
@@ -72,8 +74,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from kvstore.demo import run_demo
 
     if args.json:
-        report = run_demo(conversations=args.conversations, turns=args.turns, dram=args.dram,
-                          ssd=args.ssd, policy=args.policy)
+        report = run_demo(
+            conversations=args.conversations,
+            turns=args.turns,
+            dram=args.dram,
+            ssd=args.ssd,
+            policy=args.policy,
+        )
         print(json.dumps(report.as_dict(), indent=2))
         return 0
     from rich.progress import Progress
@@ -84,8 +91,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         def progress(done: int, total: int) -> None:
             bar.update(task, completed=done, total=total)
 
-        report = run_demo(conversations=args.conversations, turns=args.turns, dram=args.dram,
-                          ssd=args.ssd, policy=args.policy, progress=progress)
+        report = run_demo(
+            conversations=args.conversations,
+            turns=args.turns,
+            dram=args.dram,
+            ssd=args.ssd,
+            policy=args.policy,
+            progress=progress,
+        )
     _demo_tables(report.as_dict())
     return 0
 
@@ -133,8 +146,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except KVStoreError as exc:
         print(f"kvstore {args.command}: error: {exc}", file=sys.stderr)
-        print(f"hint: run 'kvstore {args.command} --help' (error code: {exc.code})",
-              file=sys.stderr)
+        print(
+            f"hint: run 'kvstore {args.command} --help' (error code: {exc.code})", file=sys.stderr
+        )
         return 1
     except KeyboardInterrupt:
         return 130

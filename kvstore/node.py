@@ -100,13 +100,21 @@ class Reservation:
     done: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class BlockRead:
-    """A pinned block: header and payload stay valid until the ``pin`` context exits."""
+    """A pinned block: header and payload stay valid until it is closed.
+
+    ``offset`` is the block's extent in its memory tier's slab (the payload starts
+    ``HEADER_SIZE`` bytes later), which is what a same-host client maps; it is -1
+    when the payload is a private buffer (an SSD read that could not be promoted).
+    """
 
     header: BlockHeader
-    payload: Any  # numpy uint8 view (DRAM), CUDA tensor (HBM) or bytes read from SSD
+    payload: Any  # numpy uint8 view (DRAM), CUDA tensor (HBM) or a buffer read from SSD
     tier: TierKind
+    offset: int
+    _entry: _Entry = field(repr=False)
+    _closed: bool = field(default=False, repr=False)
 
 
 class StoreNode:
@@ -305,32 +313,49 @@ class StoreNode:
 
     # -- reads -------------------------------------------------------------------------------
 
-    @contextmanager
-    def pin(self, key: bytes, *, namespace: Namespace | None = None) -> Iterator[BlockRead | None]:
-        """Pin a block for the ``with`` body; yields None on a miss.
+    def open_read(self, key: bytes, *, namespace: Namespace | None = None) -> BlockRead | None:
+        """Pin a block until :meth:`close_read`; None on a miss (or a namespace mismatch).
 
-        Memory tiers yield a view of the stored bytes (no copy); an SSD hit is read,
-        verified and promoted first. Eviction never takes a pinned block.
+        Memory tiers give a view of the stored bytes (no copy); an SSD hit is read,
+        verified and promoted first. Eviction never takes a pinned block, and its
+        bytes are never freed or reused while the read is open.
         """
         self._check_open()
-        k = as_key(key)
-        got = self._acquire(k, namespace)
+        got = self._acquire(as_key(key), namespace)
         if got is None:
-            yield None
-            return
+            return None
         entry, level, offset = got
         try:
             tier = self._tiers[level]
             if isinstance(tier, MemoryTier):
                 payload = tier.payload(offset, entry.header.payload_len)
-            else:
-                payload = self._read_disk(entry, level)
-                if payload is None:
-                    yield None
-                    return
-            yield BlockRead(entry.header, payload, tier.kind)
-        finally:
+                return BlockRead(entry.header, payload, tier.kind, offset, entry)
+            read = self._read_disk(entry, level)
+        except BaseException:
             self._release(entry)
+            raise
+        if read is None:
+            self._release(entry)
+            return None
+        payload, offset = read
+        kind = self._tiers[0].kind if offset >= 0 else TierKind.SSD
+        return BlockRead(entry.header, payload, kind, offset, entry)
+
+    def close_read(self, blk: BlockRead) -> None:
+        """Unpin a block from :meth:`open_read`; closing twice is harmless."""
+        if not blk._closed:
+            blk._closed = True
+            self._release(blk._entry)
+
+    @contextmanager
+    def pin(self, key: bytes, *, namespace: Namespace | None = None) -> Iterator[BlockRead | None]:
+        """``open_read`` for the span of a ``with`` body; yields None on a miss."""
+        blk = self.open_read(key, namespace=namespace)
+        try:
+            yield blk
+        finally:
+            if blk is not None:
+                self.close_read(blk)
 
     def get_into(self, key: bytes, out: Any, *, namespace: Namespace | None = None) -> bool:
         """Copy a block into a preallocated tensor/array/buffer. False on a miss.
@@ -543,11 +568,12 @@ class StoreNode:
         elif key not in self._index:
             tier.delete(key)  # type: ignore[attr-defined]
 
-    def _read_disk(self, e: _Entry, level: int) -> Any:
+    def _read_disk(self, e: _Entry, level: int) -> tuple[Any, int] | None:
         """Read a pinned SSD block, verified; promote it to the top tier when possible.
 
-        Returns the payload (a view into the top tier after promotion, else a fresh
-        buffer) or None when the record is corrupt or gone (counted; entry dropped).
+        Returns (payload, offset): a view into the top tier and its extent after a
+        promotion, else a private buffer and -1. None when the record is corrupt or
+        gone (counted; the entry is dropped).
         """
         disk = self._tiers[level]
         assert isinstance(disk, DiskTier)
@@ -581,20 +607,20 @@ class StoreNode:
             if promote:
                 with self._lock:
                     e.state = _State.READY
-            return buf
+            return buf, -1
         top.write_header(off, e.header.pack())
         with self._lock:
             e.state = _State.READY
             if e.gone:
                 top.free(off)
-                return np.array(buf)  # removed meanwhile: hand out a private copy
+                return np.array(buf), -1  # removed meanwhile: hand out a private copy
             self._policies[level].remove(e.key)
             e.stale.append((level, -1))
             e.level, e.offset = 0, off
             self._policies[0].insert(e.key, e.size)
             self.events.put(BlockMoved(e.key, TierKind.SSD, top.kind))
             self.counters.inc("promotions")
-        return buf
+        return buf, off
 
     # -- admin and observability -------------------------------------------------------------
 

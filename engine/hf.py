@@ -1,0 +1,131 @@
+"""Adapter between a transformers causal LM's DynamicCache and kvstore blocks.
+
+A block holds one 16-token (``block_tokens``) slice of every layer's keys and values
+as one tensor ``[layers, 2, kv_heads, block_tokens, head_dim]``: one object per
+block, so a prefix of n blocks is n fetches whatever the model depth. The layout
+fingerprint (dtype, layers, KV heads, head dim, block size) is part of the
+namespace, so a different model or dtype computes different keys and can never
+load this KV; a block that still arrives with the wrong geometry is refused by
+the store's layout check.
+
+Only batch size 1 is handled: disaggregated workers process one request at a time
+per adapter call, and batching happens above this layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from kvstore.errors import KVStoreError, LayoutMismatch
+from kvstore.keys import BlockKey, Namespace, prefix_keys
+
+__all__ = ["BlockStore", "HFKVAdapter", "layout_of"]
+
+
+class BlockStore(Protocol):
+    """What the adapter needs from a store: a StoreNode in process or a StoreClient."""
+
+    def put(self, key: bytes, value: Any, *, namespace: Namespace | None = None) -> bool: ...
+
+    def get_into(self, key: bytes, out: Any, *, namespace: Namespace | None = None) -> bool: ...
+
+    def match_prefix(self, keys: Sequence[bytes]) -> int: ...
+
+
+def layout_of(config: Any, dtype: torch.dtype, block_tokens: int, rank: int = 0) -> str:
+    """The layout string of a model's KV: ``bfloat16:L30:H3:D64:B16:R0``."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    name = str(dtype).removeprefix("torch.")
+    return f"{name}:L{text.num_hidden_layers}:H{kv_heads}:D{head_dim}:B{block_tokens}:R{rank}"
+
+
+class HFKVAdapter:
+    """Cuts a DynamicCache into store blocks and rebuilds one from stored blocks."""
+
+    def __init__(
+        self, model: Any, *, model_id: str, block_tokens: int = 16, tenant: str = "default"
+    ) -> None:
+        self.model = model
+        self.block_tokens = block_tokens
+        self.dtype: torch.dtype = model.dtype
+        self.namespace = Namespace(
+            model_id, layout_of(model.config, self.dtype, block_tokens), tenant
+        )
+        self.layout = self.namespace.kv_layout
+        self.block_shape = self.layout.block_shape()
+
+    def keys(self, token_ids: Sequence[int] | torch.Tensor) -> list[BlockKey]:
+        """Keys of the prompt's full blocks."""
+        return prefix_keys(token_ids, self.block_tokens, self.namespace)
+
+    def reusable_blocks(self, n_prompt_tokens: int, n_stored: int) -> int:
+        """Stored blocks worth loading: never the whole prompt, so at least the last
+        prompt token is recomputed (its logits give the first generated token)."""
+        return max(0, min(n_stored, (n_prompt_tokens - 1) // self.block_tokens))
+
+    def blocks_from_cache(self, cache: Any, start: int, stop: int) -> list[torch.Tensor]:
+        """Blocks ``start..stop-1`` of a batch-1 cache as contiguous ``[L, 2, H, B, D]``."""
+        B = self.block_tokens
+        layers = cache.layers
+        if len(layers) != self.layout.layers:
+            raise LayoutMismatch(f"cache has {len(layers)} layers, layout {self.layout.layers}")
+        out = []
+        for j in range(start, stop):
+            s = slice(j * B, (j + 1) * B)
+            block = torch.empty(self.block_shape, dtype=self.dtype)
+            for li, layer in enumerate(layers):
+                block[li, 0].copy_(layer.keys[0, :, s, :])
+                block[li, 1].copy_(layer.values[0, :, s, :])
+            out.append(block)
+        return out
+
+    def cache_from_blocks(self, blocks: torch.Tensor) -> Any:
+        """A DynamicCache holding ``blocks`` (``[n, L, 2, H, B, D]``) as its prefix."""
+        from transformers import DynamicCache
+
+        n, L, _, H, B, D = blocks.shape
+        data = []
+        for li in range(L):
+            k = blocks[:, li, 0].permute(1, 0, 2, 3).reshape(1, H, n * B, D)
+            v = blocks[:, li, 1].permute(1, 0, 2, 3).reshape(1, H, n * B, D)
+            data.append((k.contiguous(), v.contiguous()))
+        return DynamicCache(ddp_cache_data=data, config=self.model.config)
+
+    def load_prefix(
+        self, store: BlockStore, keys: Sequence[bytes], n_prompt_tokens: int
+    ) -> tuple[int, Any]:
+        """Fetch the longest stored, verified prefix; returns (blocks loaded, cache or None).
+
+        Stops at the first block that is missing, corrupt or refused: a prefix is only
+        reusable up to its first gap, and a cache may miss but never load wrong KV.
+        """
+        n = self.reusable_blocks(n_prompt_tokens, store.match_prefix(keys))
+        if n == 0:
+            return 0, None
+        buf = torch.empty((n, *self.block_shape), dtype=self.dtype)
+        got = 0
+        for i in range(n):
+            try:
+                ok = store.get_into(keys[i], buf[i], namespace=self.namespace)
+            except KVStoreError:
+                ok = False
+            if not ok:
+                break
+            got += 1
+        if got == 0:
+            return 0, None
+        return got, self.cache_from_blocks(buf[:got])
+
+    def store_blocks(self, store: BlockStore, keys: Sequence[bytes], cache: Any, start: int) -> int:
+        """Write full blocks ``start..len(keys)-1`` from ``cache``; returns how many were new."""
+        new = 0
+        for j, block in enumerate(self.blocks_from_cache(cache, start, len(keys)), start):
+            if store.put(keys[j], block, namespace=self.namespace):
+                new += 1
+        return new
