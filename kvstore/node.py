@@ -542,6 +542,7 @@ class StoreNode:
             self._policies[dst_level].insert(e.key, e.size)
             self.events.put(BlockMoved(e.key, src.kind, self._tiers[dst_level].kind))
             self.counters.inc(f"demotions_{src.kind.value}")
+            self.counters.inc(f"bytes_demoted_{src.kind.value}", e.size)
             if e.pins == 0:
                 self._free_stale_locked(e)
 
@@ -620,6 +621,7 @@ class StoreNode:
             self._policies[0].insert(e.key, e.size)
             self.events.put(BlockMoved(e.key, TierKind.SSD, top.kind))
             self.counters.inc("promotions")
+            self.counters.inc("bytes_promoted", e.size)
         return buf, off
 
     # -- admin and observability -------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import random
@@ -87,8 +88,21 @@ def test_roundtrip_sizes(tier: DiskTier, nbytes: int) -> None:
         assert bytes(memoryview(out)[:nbytes]) == payload.tobytes()
 
 
-def test_buffered_fallback_when_direct_io_is_refused(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(disk, "_O_DIRECT", 0)  # as on a filesystem without O_DIRECT
+@pytest.mark.parametrize("how", ["no O_DIRECT", "EINVAL"])
+def test_buffered_fallback_when_direct_io_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    if how == "no O_DIRECT":
+        monkeypatch.setattr(disk, "_O_DIRECT", 0)
+    else:  # as tmpfs did before Linux 6.6
+        real_open = os.open
+
+        def refusing_open(path, flags, *args):
+            if flags & disk._O_DIRECT:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return real_open(path, flags, *args)
+
+        monkeypatch.setattr(os, "open", refusing_open)
     with DiskTier(tmp_path / "ssd", 8 * MiB) as t:
         assert t._slab is not None and not t._slab.direct
         for n in (100, MiB):
@@ -175,6 +189,17 @@ def test_reopen_lists_blocks_and_reads_them_back(tmp_path: Path) -> None:
             assert np.array_equal(out, block(k, 1 if k == key_of(9) else 7, n)[1])
 
 
+def test_sync_mode_and_smaller_capacity_on_reopen(tmp_path: Path) -> None:
+    path = tmp_path / "ssd"
+    with DiskTier(path, 4 * extent_len(MiB), sync=True) as t:
+        for i in range(4):
+            t.write(key_of(i), *block(key_of(i), 0, MiB))
+    with DiskTier(path, 2 * extent_len(MiB)) as t:  # blocks past the new end are dropped
+        assert sorted(k for k, _ in t.scan()) == [key_of(0), key_of(1)]
+        assert t.used == t.capacity == 2 * extent_len(MiB)
+        assert (path / "slab").stat().st_size == t.capacity
+
+
 def test_corrupt_payload_byte_is_a_miss(tmp_path: Path) -> None:
     path = tmp_path / "ssd"
     with DiskTier(path, 8 * MiB) as t:
@@ -207,6 +232,21 @@ def test_corrupt_header_byte_is_a_miss(tmp_path: Path, via: str) -> None:
         else:
             assert list(t.scan()) == []
         assert t.corrupt_count == 1 and len(t) == 0 and t.used == 0
+
+
+def test_slab_cut_short_drops_the_records_past_its_end(tmp_path: Path) -> None:
+    """As after a power loss that kept the index commit but not the file's new size."""
+    path = tmp_path / "ssd"
+    with DiskTier(path, 8 * MiB) as t:
+        for i in range(3):
+            t.write(key_of(i), *block(key_of(i), 0, 100_000))
+    os.truncate(path / "slab", extent_len(100_000) + PAGE)  # block 1 keeps its header page
+    with DiskTier(path, 8 * MiB) as t:
+        assert [k for k, _ in t.scan()] == [key_of(0), key_of(1)]  # block 2: header gone
+        with pytest.raises(CorruptBlock):
+            t.read_into(key_of(1), bytearray(100_000))  # block 1: payload gone
+        assert t.corrupt_count == 2 and t.used == extent_len(100_000)
+        t.read_into(key_of(0), bytearray(100_000))
 
 
 def test_corrupt_index_starts_empty(tmp_path: Path) -> None:

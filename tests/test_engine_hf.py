@@ -17,6 +17,7 @@ from engine.hf import HFKVAdapter
 from engine.workers import DecodeWorker, PrefillWorker
 from kvstore.node import StoreNode
 from kvstore.tiers.base import TierKind
+from tests.faults import flip_stored_bytes
 from tests.models import reference_tokens, tiny_llama
 
 B = 16
@@ -115,19 +116,10 @@ def test_corrupt_ssd_block_is_refused_and_output_identical(model, tmp_path: Path
         _run(model, n, p)
         k0 = ad.keys(p)[0]
         assert n.tier_of(k0) is TierKind.SSD
-        slab = next(
-            f for f in (tmp_path / "ssd").rglob("*") if f.is_file() and f.stat().st_size > 1 << 20
-        )
-        data = bytearray(slab.read_bytes())
         with torch.inference_mode():
-            first = ad.blocks_from_cache(
-                model(torch.tensor([p[:16]]), use_cache=True).past_key_values, 0, 1
-            )[0]
-        raw = first.reshape(-1).view(torch.uint8).numpy().tobytes()
-        i = data.find(raw[:64])
-        assert i >= 0
-        data[i + 3] ^= 0x55
-        slab.write_bytes(bytes(data))
+            out = model(torch.tensor([p[:16]]), use_cache=True)
+        first = ad.blocks_from_cache(out.past_key_values, 0, 1)[0]
+        flip_stored_bytes(tmp_path / "ssd", first.reshape(-1).view(torch.uint8).numpy().tobytes())
         toks, cached, _ = _run(model, n, p)
         assert cached == 0  # the corrupt first block ends the prefix: nothing loaded
         assert n.counters.get("corrupt_blocks") == 1

@@ -14,6 +14,7 @@ from kvstore.events import BlockMoved, BlockRemoved, BlockStored
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.node import StoreNode
 from kvstore.tiers.base import TierKind
+from tests.faults import flip_stored_bytes
 
 NS = Namespace("tiny", "fp32:L2:H2:D16:B16", "t")
 SHAPE = (2, 2, 2, 16, 16)  # 8 KiB of fp32 per block
@@ -185,26 +186,12 @@ def test_corrupt_ssd_block_is_a_miss(node: StoreNode, tmp_path: Path) -> None:
     for i, k in enumerate(keys):
         node.put(k, _block(i), namespace=NS)
     assert node.tier_of(keys[0]) is TierKind.SSD
-    _flip_payload_byte(tmp_path / "ssd", _block(0))
+    flip_stored_bytes(tmp_path / "ssd", _block(0).numpy().tobytes())
     out = torch.zeros(SHAPE)
     assert node.get_into(keys[0], out, namespace=NS) is False
     assert torch.count_nonzero(out) == 0  # the bad bytes never reached the caller
     assert node.counters.get("corrupt_blocks") == 1
     assert node.exists([keys[0]]) == [False]
-
-
-def _flip_payload_byte(root: Path, block: torch.Tensor) -> None:
-    """Find the block's bytes wherever the SSD tier keeps them and flip one."""
-    needle = block.numpy().tobytes()[:64]
-    for f in sorted(root.rglob("*")):
-        if f.is_file():
-            data = bytearray(f.read_bytes())
-            i = data.find(needle)
-            if i >= 0:
-                data[i + 10] ^= 0xFF
-                f.write_bytes(bytes(data))
-                return
-    raise AssertionError("block bytes not found on disk")
 
 
 def test_restart_reannounces_ssd_blocks(tmp_path: Path) -> None:

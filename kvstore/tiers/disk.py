@@ -6,7 +6,7 @@ with writemap) and wrote 1 MiB values at 0.9-1.95 GB/s where the disk takes O_DI
 holds only small records, so a commit costs tens of microseconds (benchmarks/bench_ssd.py).
 
 Layout: ``index/`` (lmdb: db "records", key -> offset u64, extent u64, packed header;
-db "meta"), ``slab`` (``capacity`` bytes, sparse) and ``LOCK`` (flock: one process per
+db "meta"), ``slab`` (grows up to ``capacity`` bytes) and ``LOCK`` (flock: one process per
 directory). A record is one extent of whole pages, a header page then the payload padded
 to a page: the payload starts page aligned, so an aligned caller buffer (a shared-memory
 slab) moves with no staging copy, and for page-multiple payloads the header page costs
@@ -61,19 +61,21 @@ from kvstore.tiers.base import Tier, TierKind
 __all__ = ["PAGE", "DiskTier", "extent_len"]
 
 PAGE = 4096  # allocation unit and O_DIRECT alignment (>= any device's logical block)
+_MIB = 1 << 20
 _FORMAT = b"kvstore-disk/1"
 _LOC = struct.Struct("<QQ")  # extent offset, extent length
+_FLAGS = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
 _O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 _RESET_ERRORS = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError)
-
-
-def _round_up(n: int) -> int:
-    return -(-n // PAGE) * PAGE
+_NOTHING = np.empty(0, dtype=np.uint8)
+# No writemap for the index: it would save ~6 us a commit, but a full disk under a sparse
+# writemap file kills the process with SIGBUS instead of failing a write.
+_LMDB: dict[str, Any] = {"max_dbs": 2, "readahead": False, "meminit": False}
 
 
 def extent_len(payload_len: int) -> int:
     """Bytes a block with this payload occupies in the slab: header page + padded payload."""
-    return PAGE + _round_up(payload_len)
+    return PAGE + -(-payload_len // PAGE) * PAGE
 
 
 @contextmanager
@@ -87,8 +89,11 @@ def _io_errors(what: str) -> Iterator[None]:
         raise StorageError(f"{what}: {exc}") from exc
 
 
-def _address(buf: np.ndarray) -> int:
-    return int(buf.ctypes.data)
+def _flat(buf: Any, what: str) -> np.ndarray:
+    try:
+        return np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
+    except (TypeError, ValueError) as exc:
+        raise InvalidValue(f"{what} must be a C-contiguous buffer") from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,20 +109,19 @@ class _Record:
 class _Extents:
     """Free space of the slab as page-aligned extents; guarded by DiskTier's lock.
 
-    A store's blocks are nearly all one size, so an exact-size free list serves almost
-    every allocation in O(1); otherwise bump the high-water mark, and only then first-fit
-    over the free extents. Freed neighbours coalesce, and free space touching the
-    high-water mark lowers it, so mixed sizes do not fragment the slab for good.
+    A store's blocks are nearly all one size, so an exact-size free set serves almost
+    every allocation in O(1); else bump the high-water mark, and only then first-fit.
+    Freed neighbours coalesce and free space touching the high-water mark lowers it, so
+    mixed sizes do not fragment the slab for good.
     """
 
     __slots__ = ("_by_end", "_by_len", "_by_start", "size", "top")
 
     def __init__(self, size: int) -> None:
-        self.size = size
-        self.top = 0
-        self._by_start: dict[int, int] = {}
-        self._by_end: dict[int, int] = {}
-        self._by_len: dict[int, set[int]] = {}
+        self.size, self.top = size, 0
+        self._by_start: dict[int, int] = {}  # free extent start -> length
+        self._by_end: dict[int, int] = {}  # free extent end -> start
+        self._by_len: dict[int, set[int]] = {}  # length -> starts
 
     def rebuild(self, used: list[tuple[int, int]]) -> None:
         """Derive free space from the extents in use (sorted by offset, disjoint)."""
@@ -130,9 +134,9 @@ class _Extents:
 
     def alloc(self, n: int) -> int | None:
         """Offset of a fresh extent of ``n`` bytes, or None if no free run is that long."""
-        starts = self._by_len.get(n)
-        if starts:
-            start = next(iter(starts))
+        if self._by_len.get(n):
+            start = self._by_len[n].pop()  # amortized O(1), unlike next(iter(...))
+            self._by_len[n].add(start)  # back, for _remove to take out of all three maps
             self._remove(start, n)
             return start
         if self.top + n <= self.size:
@@ -183,116 +187,98 @@ class _Extents:
 
 
 class _Slab:
-    """The data file and the bytes moved in and out of it; knows nothing of keys or space.
+    """The data file and the bytes moved through it; knows nothing of keys or space.
 
-    O_DIRECT when the filesystem allows it (tmpfs refuses it with EINVAL), else buffered
-    I/O. Direct I/O needs page-aligned memory and lengths: aligned caller buffers are used
-    as they are, anything else goes through a per-thread mmap-allocated staging buffer.
+    O_DIRECT where the filesystem takes it (tmpfs refuses with EINVAL), else buffered.
+    Direct I/O needs page-aligned memory and lengths: aligned caller buffers are used as
+    they are, anything else goes through this thread's mmap-allocated staging buffer.
     """
 
     def __init__(self, path: Path, size: int) -> None:
-        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
         self._local = threading.local()
         self.direct = False
-        if _O_DIRECT:
-            try:
-                self.fd = os.open(path, flags | _O_DIRECT, 0o600)
-                self.direct = True
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-        if not self.direct:
-            self.fd = os.open(path, flags, 0o600)
+        self.fd = os.open(path, _FLAGS, 0o600)
         try:
             self._size_to(size)
-            if self.direct and not self._direct_works():
-                os.close(self.fd)
-                self.direct = False
-                self.fd = os.open(path, flags, 0o600)
+            if _O_DIRECT:
+                self._go_direct(path)
         except BaseException:
             os.close(self.fd)
             raise
 
     def _size_to(self, size: int) -> None:
-        """Size the file sparse, once the filesystem is known to have room for all of it.
+        """Check the filesystem has room for ``size``; cut the file if it is longer.
 
-        Not posix_fallocate: first-fill writes into preallocated (unwritten) ext4 extents
-        measured ~30% slower than writes into holes. The check at open catches a wrong
-        capacity; a disk filled by others later fails writes with StorageError.
+        Neither preallocated nor sized up front: ext4 turns direct writes into fallocated
+        space or holes below EOF into unwritten extents converted at completion, which
+        measured 30-50% slower on first fill than appending. The allocator bumps upward,
+        so a fresh slab grows by appends. A disk filled by others later fails writes
+        with StorageError.
         """
-        missing = size - os.fstat(self.fd).st_blocks * 512
-        vfs = os.fstatvfs(self.fd)
-        if missing > vfs.f_bavail * vfs.f_frsize:
+        st, vfs = os.fstat(self.fd), os.fstatvfs(self.fd)
+        if size - st.st_blocks * 512 > vfs.f_bavail * vfs.f_frsize:
             raise ConfigError(f"SSD tier of {size} bytes: only {vfs.f_bavail * vfs.f_frsize} free")
-        os.ftruncate(self.fd, size)
+        if st.st_size > size:
+            os.ftruncate(self.fd, size)
 
-    def _direct_works(self) -> bool:
+    def _go_direct(self, path: Path) -> None:
+        """Swap to an O_DIRECT descriptor if one opens and reads a page; else stay buffered."""
         try:
-            probe: list[Any] = [self.staging(PAGE)[:PAGE]]
-            os.preadv(self.fd, probe, 0)
+            fd = os.open(path, _FLAGS | _O_DIRECT, 0o600)
         except OSError as exc:
             if exc.errno == errno.EINVAL:
-                return False
+                return
             raise
-        return True
+        try:
+            probe: list[Any] = [self.staging(PAGE)[:PAGE]]
+            os.preadv(fd, probe, 0)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno == errno.EINVAL:
+                return
+            raise
+        os.close(self.fd)
+        self.fd, self.direct = fd, True
 
     def staging(self, n: int) -> np.ndarray:
-        """This thread's page-aligned scratch buffer, at least ``n`` bytes."""
+        """This thread's page-aligned scratch buffer of at least ``n`` bytes, touched once."""
         buf: np.ndarray | None = getattr(self._local, "buf", None)
         if buf is None or buf.nbytes < n:
-            size = -(-max(n, 1 << 20) // (1 << 20)) << 20
-            buf = np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8)
-            buf.fill(0)  # first touch here, not in a timed read
+            buf = np.frombuffer(mmap.mmap(-1, -(-n // _MIB) * _MIB), dtype=np.uint8)
+            buf.fill(0)
             self._local.buf = buf
         return buf
 
-    def _usable(self, buf: np.ndarray) -> bool:
-        return not self.direct or (_address(buf) % PAGE == 0 and buf.nbytes % PAGE == 0)
+    def _as_is(self, buf: np.ndarray) -> bool:
+        return not self.direct or (int(buf.ctypes.data) % PAGE == 0 and buf.nbytes % PAGE == 0)
 
     def write(self, offset: int, raw: bytes, payload: np.ndarray) -> None:
-        """Write one record's header page and payload at ``offset``."""
+        """Write one record, header page then payload, at ``offset``."""
         n = payload.nbytes
-        if self._usable(payload):
-            page = self.staging(PAGE)[:PAGE]
-            page[:HEADER_SIZE] = np.frombuffer(raw, dtype=np.uint8)
-            page[HEADER_SIZE:] = 0
-            bufs: list[Any] = [page, payload]
-        else:
-            buf = self.staging(extent_len(n))[: extent_len(n)]
-            buf[:HEADER_SIZE] = np.frombuffer(raw, dtype=np.uint8)
-            buf[HEADER_SIZE:PAGE] = 0
+        size = PAGE if self._as_is(payload) else extent_len(n)
+        buf = self.staging(size)[:size]
+        buf[:HEADER_SIZE] = np.frombuffer(raw, dtype=np.uint8)
+        buf[HEADER_SIZE:PAGE] = 0
+        bufs: list[Any] = [buf, payload]
+        if size > PAGE:  # staged: copy, zero the padding, one buffer
             buf[PAGE : PAGE + n] = payload
             buf[PAGE + n :] = 0
-            bufs = [buf]
+            bufs.pop()
         if os.pwritev(self.fd, bufs, offset) != sum(b.nbytes for b in bufs):
             raise OSError(errno.ENOSPC, "short write to the slab")  # a full disk, in practice
 
-    def read(self, offset: int, n: int, out: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
-        """Read a record: (header page, payload, staged). The payload lands in ``out[:n]``
-        when it can go there directly, else in staging (checked, then copied by the caller)."""
-        dst = out[:n]
-        if self._usable(dst):
-            page = self.staging(PAGE)[:PAGE]
-            bufs: list[Any] = [page, dst]
-            payload = dst
+    def read(self, offset: int, out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Read a header page and ``out.nbytes`` of payload: (page, payload). The payload
+        lands in ``out`` when it can go there directly, else in staging (caller copies)."""
+        n = out.nbytes
+        if self._as_is(out):
+            bufs: list[Any] = [self.staging(PAGE)[:PAGE], out]
         else:
-            buf = self.staging(extent_len(n))[: extent_len(n)]
-            bufs, page, payload = [buf], buf[:PAGE], buf[PAGE : PAGE + n]
+            bufs = [self.staging(extent_len(n))[: extent_len(n)]]
         got = os.preadv(self.fd, bufs, offset)
         if got < PAGE + n:
             raise CorruptBlock(f"slab holds {got} of {PAGE + n} bytes at offset {offset}")
-        return page, payload, payload is not dst
-
-    def read_page(self, offset: int) -> np.ndarray:
-        """The header page at ``offset``."""
-        page = self.staging(PAGE)[:PAGE]
-        bufs: list[Any] = [page]
-        if os.preadv(self.fd, bufs, offset) < PAGE:
-            raise CorruptBlock(f"slab truncated at offset {offset}")
-        return page
-
-    def close(self) -> None:
-        os.close(self.fd)
+        return bufs[0][:PAGE], (out if len(bufs) == 2 else bufs[0][PAGE : PAGE + n])
 
 
 class DiskTier(Tier):
@@ -311,14 +297,14 @@ class DiskTier(Tier):
         self._sync = sync
         self.corrupt_count = 0  # records dropped because their bytes did not verify
         # Concurrency contract. ``_cond`` (a Condition over one plain Lock) guards every
-        # field below and serializes index transactions, so the lmdb commit order is the
-        # order in which versions become visible. Bulk I/O on the slab runs outside it:
-        # a writer owns its freshly allocated extent, which nothing references until its
-        # index commit; a reader pins the extent it reads, and an extent freed (deleted,
-        # overwritten, found corrupt) while pinned goes back to the allocator only when
-        # its last reader unpins, so it is never reused under a reader. ``close`` sets
-        # ``_closed`` and waits for ``_inflight`` to drain before closing any file. No
-        # other lock is taken while holding it (lmdb's internal write mutex excepted).
+        # field below and serializes index transactions, so lmdb's commit order is the
+        # order in which versions become visible. Slab I/O runs outside it: a writer owns
+        # its freshly allocated extent, which nothing references until its index commit;
+        # a reader pins the extent it reads, and an extent freed (deleted, overwritten,
+        # found corrupt) while pinned returns to the allocator only when its last reader
+        # unpins, so it is never reused under a reader. ``close`` sets ``_closed`` and
+        # waits for ``_inflight`` to drain before closing any file. Nothing else is
+        # locked while it is held (lmdb's internal write mutex excepted).
         self._cond = threading.Condition(threading.Lock())
         self._records: dict[bytes, _Record] = {}
         self._extents = _Extents(self._size)
@@ -329,7 +315,7 @@ class DiskTier(Tier):
         self._closed = False
         self._lock_fd: int | None = None
         self._env: Any = None
-        self._slab: _Slab | None = None
+        self._slab: Any = None  # _Slab once open: Any spares an assert per I/O
         try:
             with _io_errors(f"opening SSD tier at {self._path}"):
                 self._path.mkdir(parents=True, exist_ok=True)
@@ -339,7 +325,6 @@ class DiskTier(Tier):
                 except _RESET_ERRORS:  # a cache may start empty; it may not refuse to start
                     if self._env is not None:
                         self._env.close()
-                    self._env = None
                     shutil.rmtree(self._path / "index")
                     self._open_index()
                 self._slab = _Slab(self._path / "slab", self._size)
@@ -348,7 +333,7 @@ class DiskTier(Tier):
             raise
 
     def _lock_dir(self) -> None:
-        fd = os.open(self._path / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = os.open(self._path / "LOCK", _FLAGS, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as exc:
@@ -357,17 +342,12 @@ class DiskTier(Tier):
         self._lock_fd = fd
 
     def _open_index(self) -> None:
-        """Open lmdb, then load and check every record and rebuild the allocator from it."""
-        entries = self._size // (2 * PAGE) + 1  # at most one record per two pages
-        self._env = lmdb.open(
-            str(self._path / "index"),
-            map_size=max(64 << 20, _round_up(entries * 512)),
-            max_dbs=2,
-            sync=self._sync,
-            metasync=self._sync,
-            readahead=False,
-            meminit=False,
-        )
+        """Open lmdb, load and check every record, rebuild the allocator from them."""
+        self._env = None
+        self._records.clear()
+        records = self._size // (2 * PAGE) + 1  # at most one per two pages, ~200 B each
+        size, sync = max(64 * _MIB, records * 512), self._sync
+        self._env = lmdb.open(str(self._path / "index"), size, sync=sync, metasync=sync, **_LMDB)
         self._db = self._env.open_db(b"records")
         meta = self._env.open_db(b"meta")
         with self._env.begin(write=True) as txn:
@@ -376,31 +356,23 @@ class DiskTier(Tier):
                 txn.put(b"format", _FORMAT, db=meta)
             elif fmt != _FORMAT:
                 raise StorageError(f"{self._path} holds format {fmt!r}, not {_FORMAT!r}")
-        found: list[tuple[bytes, _Record]] = []
-        bad: list[bytes] = []
         with self._env.begin(db=self._db) as txn:
-            for key, value in txn.cursor():
-                rec = self._decode(key, value)
-                if rec is None:
-                    bad.append(key)
-                else:
-                    found.append((key, rec))
-        found.sort(key=lambda item: item[1].offset)
-        records: dict[bytes, _Record] = {}
+            found = [(self._decode(k, v), k) for k, v in txn.cursor()]
+        good = sorted(((r, k) for r, k in found if r is not None), key=lambda e: e[0].offset)
+        bad = [k for r, k in found if r is None]
         end = 0
-        for key, rec in found:
-            if rec.offset < end:  # overlaps its neighbour: one of them is wrong
+        for rec, key in good:
+            if rec.offset < end:  # overlaps its neighbour: one of the two is wrong
                 bad.append(key)
                 continue
-            records[key] = rec
+            self._records[key] = rec
             end = rec.offset + rec.length
         if bad:
             with self._env.begin(write=True, db=self._db) as txn:
                 for key in bad:
                     txn.delete(key)
             self.corrupt_count += len(bad)
-        self._records = records
-        live = [(r.offset, r.length) for r in records.values()]  # sorted by offset
+        live = [(r.offset, r.length) for r in self._records.values()]  # in offset order
         self._extents.rebuild(live)
         self._used = sum(length for _, length in live)
 
@@ -408,18 +380,16 @@ class DiskTier(Tier):
         if len(key) != 16 or len(value) != _LOC.size + HEADER_SIZE:
             return None
         offset, length = _LOC.unpack_from(value)
+        raw = value[_LOC.size :]
         try:
-            header = BlockHeader.unpack(value[_LOC.size :])
+            header = BlockHeader.unpack(raw)
         except CorruptBlock:
             return None
-        if (
-            header.key != key
-            or offset % PAGE
-            or length != extent_len(header.payload_len)
-            or offset + length > self._size  # a reopen with a smaller capacity drops it
-        ):
+        if header.key != key or offset % PAGE or length != extent_len(header.payload_len):
             return None
-        return _Record(offset, length, header, bytes(value[_LOC.size :]))
+        if offset + length > self._size:  # reopened with a smaller capacity
+            return None
+        return _Record(offset, length, header, raw)
 
     @property
     def capacity(self) -> int:
@@ -439,14 +409,11 @@ class DiskTier(Tier):
         return self.footprint(nbytes) <= self._size
 
     def has_room(self, nbytes: int) -> bool:
-        """Whether a block of ``nbytes`` (header + payload) can be written right now.
-
-        Exact, not a byte count: it answers whether one contiguous extent is free.
-        """
-        need = self.footprint(nbytes)
+        """Whether a block of ``nbytes`` (header + payload) can be written right now: one
+        free extent that long, not merely that many free bytes."""
         with self._cond:
             self._check_open()
-            return self._extents.can_alloc(need)
+            return self._extents.can_alloc(self.footprint(nbytes))
 
     def __len__(self) -> int:
         with self._cond:
@@ -459,17 +426,14 @@ class DiskTier(Tier):
             return isinstance(key, bytes) and key in self._records
 
     def write(self, key: bytes, header: bytes, payload: Any) -> None:
-        """Store a block (replacing any older version once this one is committed).
+        """Store a block, replacing any older version once this one is committed.
 
-        ``header`` is ``BlockHeader.pack()`` output for this key and payload; the payload's
-        checksum is trusted (it was computed from the writer's bytes) and checked on read.
+        ``header`` is ``BlockHeader.pack()`` for this key and payload. The payload checksum
+        in it is trusted here (computed from the writer's bytes) and checked on every read.
         """
-        key = as_key(key)
-        hdr = self._check_header(key, header)
-        try:
-            src = np.frombuffer(memoryview(payload).cast("B"), dtype=np.uint8)
-        except (TypeError, ValueError) as exc:
-            raise InvalidValue("payload must be a C-contiguous buffer") from exc
+        key, raw = as_key(key), bytes(header)
+        hdr = self._check_header(key, raw)
+        src = _flat(payload, "payload")
         if src.nbytes != hdr.payload_len:
             raise InvalidValue(f"payload is {src.nbytes} bytes, header says {hdr.payload_len}")
         need = extent_len(src.nbytes)
@@ -485,24 +449,25 @@ class DiskTier(Tier):
         committed = False
         try:
             with _io_errors("SSD tier write"):
-                assert self._slab is not None
-                self._slab.write(offset, bytes(header), src)
+                self._slab.write(offset, raw, src)
                 if self._sync:
                     os.fdatasync(self._slab.fd)
-            self._commit_record(key, _Record(offset, need, hdr, bytes(header)))
+            self._commit_record(key, _Record(offset, need, hdr, raw))
             committed = True
         finally:
             with self._cond:
                 if not committed:
-                    self._release_extent(offset, need)
+                    self._extents.free(offset, need)
+                    self._used -= need
                 self._inflight -= 1
                 self._cond.notify_all()
 
-    def _check_header(self, key: bytes, header: bytes) -> BlockHeader:
-        if len(header) != HEADER_SIZE:
-            raise InvalidValue(f"header must be {HEADER_SIZE} bytes, got {len(header)}")
+    @staticmethod
+    def _check_header(key: bytes, raw: bytes) -> BlockHeader:
+        if len(raw) != HEADER_SIZE:
+            raise InvalidValue(f"header must be {HEADER_SIZE} bytes, got {len(raw)}")
         try:
-            hdr = BlockHeader.unpack(header)
+            hdr = BlockHeader.unpack(raw)
         except CorruptBlock as exc:
             raise InvalidValue(f"header does not parse: {exc}") from exc
         if hdr.key != key:
@@ -510,8 +475,8 @@ class DiskTier(Tier):
         return hdr
 
     def _commit_record(self, key: bytes, rec: _Record) -> None:
-        """Make ``rec`` the visible version of ``key``: the index commit is the
-        linearization point, after the data is on disk."""
+        """Make ``rec`` the visible version of ``key``, its data being on disk already:
+        the index commit is the linearization point of a write."""
         with self._cond:
             with _io_errors("SSD index commit"), self._env.begin(write=True, db=self._db) as txn:
                 txn.put(key, _LOC.pack(rec.offset, rec.length) + rec.raw)
@@ -541,11 +506,8 @@ class DiskTier(Tier):
         if self._pins.get(rec.offset):
             self._deferred[rec.offset] = rec.length
         else:
-            self._release_extent(rec.offset, rec.length)
-
-    def _release_extent(self, offset: int, length: int) -> None:  # caller holds the lock
-        self._extents.free(offset, length)
-        self._used -= length
+            self._extents.free(rec.offset, rec.length)
+            self._used -= rec.length
 
     def read_header(self, key: bytes) -> BlockHeader | None:
         """The indexed header of a block (no disk I/O), or None."""
@@ -556,17 +518,13 @@ class DiskTier(Tier):
             return None if rec is None else rec.header
 
     def read_into(self, key: bytes, out: Any) -> BlockHeader:
-        """Read a block's payload into ``out[:payload_len]`` and verify it.
+        """Read a block's payload into ``out[:payload_len]``, verified.
 
-        Raises NotFound on a miss and CorruptBlock (after dropping the record) when the
-        on-disk header or payload does not verify. When it raises, ``out`` may hold
-        garbage: the engine must treat the call as a miss.
+        NotFound on a miss; CorruptBlock, after dropping the record, when the on-disk
+        header or payload does not verify. ``out`` may then hold garbage: it is a miss.
         """
         key = as_key(key)
-        try:
-            dst = np.frombuffer(memoryview(out).cast("B"), dtype=np.uint8)
-        except (TypeError, ValueError) as exc:
-            raise InvalidValue("out must be a writable C-contiguous buffer") from exc
+        dst = _flat(out, "out")
         if not dst.flags.writeable:
             raise InvalidValue("out is read-only")
         rec = self._pin(key)
@@ -578,14 +536,13 @@ class DiskTier(Tier):
                 raise InvalidValue(f"out holds {dst.nbytes} bytes, block has {n}")
             try:
                 with _io_errors("SSD tier read"):
-                    assert self._slab is not None
-                    page, payload, staged = self._slab.read(rec.offset, n, dst)
-                    self._verify(key, rec, page)
-                    verify_payload(rec.header, payload)
+                    page, payload = self._slab.read(rec.offset, dst[:n])
+                self._verify(key, rec, page)
+                verify_payload(rec.header, payload)
             except CorruptBlock:
                 self._drop_corrupt(key, rec)
                 raise
-            if staged:
+            if payload.ctypes.data != dst.ctypes.data:  # read via staging
                 dst[:n] = payload
             return rec.header
         finally:
@@ -594,9 +551,9 @@ class DiskTier(Tier):
     def scan(self, *, verify: bool = True) -> Iterator[tuple[bytes, BlockHeader]]:
         """Every block held, as (key, header): how a restarted node re-announces its SSD.
 
-        With ``verify`` each record's on-disk header is read and compared with the index
-        (one page read per block); records that differ are dropped, not listed. Payload
-        checksums are left to :meth:`read_into`, which reads the bytes anyway.
+        With ``verify`` each on-disk header is read (one page per block) and compared with
+        the index; records that differ are dropped, not listed. Payload checksums are
+        left to :meth:`read_into`, which reads the bytes anyway.
         """
         with self._cond:
             self._check_open()
@@ -607,13 +564,12 @@ class DiskTier(Tier):
                 continue  # deleted since the listing began
             try:
                 if verify:
-                    try:
-                        with _io_errors("SSD tier scan"):
-                            assert self._slab is not None
-                            self._verify(key, rec, self._slab.read_page(rec.offset))
-                    except CorruptBlock:
-                        self._drop_corrupt(key, rec)
-                        continue
+                    with _io_errors("SSD tier scan"):
+                        page, _ = self._slab.read(rec.offset, _NOTHING)
+                    self._verify(key, rec, page)
+            except CorruptBlock:
+                self._drop_corrupt(key, rec)
+                continue
             finally:
                 self._unpin(rec)
             yield key, rec.header
@@ -634,14 +590,12 @@ class DiskTier(Tier):
 
     def _unpin(self, rec: _Record) -> None:
         with self._cond:
-            left = self._pins[rec.offset] - 1
+            left = self._pins.pop(rec.offset) - 1
             if left:
                 self._pins[rec.offset] = left
-            else:
-                del self._pins[rec.offset]
-                length = self._deferred.pop(rec.offset, None)
-                if length is not None:
-                    self._release_extent(rec.offset, length)
+            elif rec.offset in self._deferred:
+                self._extents.free(rec.offset, self._deferred[rec.offset])
+                self._used -= self._deferred.pop(rec.offset)
             self._inflight -= 1
             self._cond.notify_all()
 
@@ -675,7 +629,7 @@ class DiskTier(Tier):
     def _release(self) -> None:
         self._closed = True
         if self._slab is not None:
-            self._slab.close()
+            os.close(self._slab.fd)
             self._slab = None
         if self._env is not None:
             self._env.close()
@@ -689,6 +643,3 @@ class DiskTier(Tier):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def __repr__(self) -> str:
-        return f"DiskTier({str(self._path)!r}, used={self._used}, capacity={self._size})"
