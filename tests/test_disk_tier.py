@@ -26,9 +26,10 @@ from kvstore.errors import (
     InvalidValue,
     NotFound,
 )
-from kvstore.tiers import disk
+from kvstore.tiers import slab
 from kvstore.tiers.base import TierKind
-from kvstore.tiers.disk import PAGE, DiskTier, extent_len
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.slab import PAGE, extent_len
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
@@ -93,12 +94,12 @@ def test_buffered_fallback_when_direct_io_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
     if how == "no O_DIRECT":
-        monkeypatch.setattr(disk, "_O_DIRECT", 0)
+        monkeypatch.setattr(slab, "_O_DIRECT", 0)
     else:  # as tmpfs did before Linux 6.6
         real_open = os.open
 
         def refusing_open(path, flags, *args):
-            if flags & disk._O_DIRECT:
+            if flags & slab._O_DIRECT:
                 raise OSError(errno.EINVAL, "Invalid argument")
             return real_open(path, flags, *args)
 
@@ -350,7 +351,7 @@ def test_allocator_matches_a_page_map() -> None:
     """Random alloc/free against a brute-force page map: no overlap, no lost space."""
     rng = random.Random(1)
     pages = 64
-    ext = disk._Extents(pages * PAGE)
+    ext = slab._Extents(pages * PAGE)
     owner = [False] * pages
     live: list[tuple[int, int]] = []
     for _ in range(3000):
@@ -376,7 +377,7 @@ CHILD = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
 from tests.test_disk_tier import block, key_of
-from kvstore.tiers import disk
+from kvstore.tiers import disk, slab
 path, mode, arg, first = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 if mode == "commit":  # SIGKILL between the data write and the index commit
     commits = [0]
@@ -388,7 +389,7 @@ if mode == "commit":  # SIGKILL between the data write and the index commit
         real_commit(self, key, rec)
     disk.DiskTier._commit_record = commit
 elif mode == "torn":  # SIGKILL halfway through the data write itself
-    real_write = disk._Slab.write
+    real_write = slab._Slab.write
     writes = [0]
     def write(self, offset, raw, payload):
         writes[0] += 1
@@ -397,7 +398,7 @@ elif mode == "torn":  # SIGKILL halfway through the data write itself
             real_write(self, offset, raw, half)
             os.kill(os.getpid(), signal.SIGKILL)
         real_write(self, offset, raw, payload)
-    disk._Slab.write = write
+    slab._Slab.write = write
 tier = disk.DiskTier(path, 16 << 20)
 for version in range(first, first + 1_000_000):
     k = key_of(version % 24)
