@@ -17,10 +17,13 @@ __all__ = [
     "ConfigError",
     "ConflictError",
     "CorruptBlock",
+    "DirectoryError",
     "InvalidKey",
     "InvalidValue",
     "KVStoreError",
     "LayoutMismatch",
+    "LimitExceeded",
+    "LeaseExpired",
     "NotFound",
     "PermissionDenied",
     "ReservationError",
@@ -66,6 +69,12 @@ class BlockTooLarge(KVStoreError, ValueError):
     """A single block is larger than a tier (or a configured value limit) can ever hold."""
 
     code = "block_too_large"
+
+
+class LimitExceeded(KVStoreError, ValueError):
+    """A request exceeds a configured limit (keys per batch, message or inline size)."""
+
+    code = "limit_exceeded"
 
 
 class CapacityError(KVStoreError):
@@ -150,6 +159,21 @@ class TransportError(KVStoreError):
     """A data-plane transfer failed or delivered a malformed frame."""
 
     code = "transport"
+    retryable = True
+
+
+class DirectoryError(KVStoreError):
+    """The cluster directory (etcd) refused or failed an operation for a reason that is
+    neither a conflict, an outage nor a timeout (a malformed request, an internal error)."""
+
+    code = "directory"
+
+
+class LeaseExpired(DirectoryError):
+    """A node's directory lease is gone (expired or revoked), so its registration and
+    every entry published under it are gone too. Re-registering takes a new lease."""
+
+    code = "lease_expired"
     retryable = True
 
 

@@ -392,6 +392,12 @@ class StoreNode:
         """Stored keys, optionally of one tier (a snapshot)."""
         return self._chain.keys(tier)
 
+    def snapshot(self) -> list[tuple[BlockKey, TierKind, int]]:
+        """Every stored block as (key, tier, size), consistent at one instant.
+
+        What a directory publisher re-lists from after it missed events."""
+        return self._chain.snapshot()
+
     def drain_events(self, limit: int | None = None) -> list[BlockEvent]:
         """Take pending BlockStored / BlockRemoved / BlockMoved events, oldest first."""
         return self.events.drain(limit)
