@@ -7,6 +7,12 @@ the real scheduler and eviction policies (engine/sim.py) with per-node caches,
 one pooled cache, or both, and prints a table (or ``--json``) and optionally a
 plot of hit rate against capacity, per-node vs pooled.
 
+The plot sweeps the whole per-node capacity (DRAM and SSD scaled together at the
+planned DRAM:SSD ratio) in steps of 2x, from a size where the pool holds about a
+32nd of the trace's footprint to past both the plan and the footprint, and shows
+how much of each hit rate DRAM serves. The sweep's replays run in parallel, one
+per CPU (``--workers``).
+
 Capacities are per node, in tokens unless marked as blocks (see
 :func:`parse_capacity`): a KV block's bytes depend on the model, its token count
 does not, and the trace counts tokens.
@@ -17,11 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import os
 import re
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -32,7 +40,7 @@ from engine.trace import BLOCK_TOKENS, TraceRequest, load_trace
 from kvstore.errors import ConfigError, KVStoreError, StorageError
 from kvstore.policy import POLICIES
 
-__all__ = ["add_parser", "parse_capacity", "run"]
+__all__ = ["add_parser", "parse_capacity", "run", "sweep_capacities"]
 
 EXAMPLES = """\
 examples:
@@ -53,8 +61,10 @@ _CAPACITY = re.compile(
 _MULT = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
 SATURATED = 0.95
 """Node utilization above which the table warns that queues grow without bound."""
-SWEEP_FACTORS = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0)
-"""Capacities plotted, as multiples of the planned DRAM per node."""
+SWEEP_MAX_POINTS = 8
+"""About how many capacities the plot sweeps (steps widen past 2x to stay near this)."""
+PARALLEL_MIN_WORK = 50_000
+"""Request-replays below which the default is to replay serially (workers cost ~0.1 s)."""
 
 
 def parse_capacity(text: str, block_tokens: int = BLOCK_TOKENS) -> int | None:
@@ -124,8 +134,19 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.set_defaults(mode="both")
     p.add_argument("--scheduler", default="cache_aware", choices=sorted(SCHEDULERS))
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--plot", type=Path, metavar="OUT.png", help="write hit rate vs capacity")
+    p.add_argument(
+        "--plot",
+        type=Path,
+        metavar="OUT.png",
+        help="write hit rate vs capacity (DRAM + SSD scaled together)",
+    )
     p.add_argument("--limit", type=int, help="replay only the first N requests")
+    p.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="replays to run at once (default: one per CPU when there is much to replay)",
+    )
     p.add_argument("--slo-ms", type=float, help="TTFT SLO: refuse requests no node can meet")
     p.add_argument(
         "--time-scale",
@@ -168,28 +189,86 @@ def _base_config(args: argparse.Namespace) -> SimConfig:
     )
 
 
-def _sweep_blocks(requests: Sequence[TraceRequest], cfg: SimConfig) -> list[int]:
-    """DRAM capacities (blocks per node) to plot around the planned one."""
-    base = cfg.dram_blocks
-    if base is None:  # unlimited: sweep up to the trace's whole footprint per node
-        unique = len({h for r in requests for h in r.hash_ids})
-        base = max(1, math.ceil(unique / cfg.nodes / 4))
-    return sorted({max(1, round(base * f)) for f in SWEEP_FACTORS})
+def _footprint_per_node(requests: Sequence[TraceRequest], nodes: int) -> int:
+    """Blocks per node that hold every distinct block of the trace, split evenly."""
+    unique = len({h for r in requests for h in r.hash_ids})
+    return max(1, math.ceil(unique / nodes))
+
+
+def sweep_capacities(
+    requests: Sequence[TraceRequest], cfg: SimConfig
+) -> list[tuple[int, int | None]]:
+    """(DRAM, SSD) blocks per node that the plot sweeps, smallest first.
+
+    DRAM and SSD scale together by powers of 2, keeping the planned DRAM:SSD ratio,
+    so the x axis is the whole per-node capacity; the planned capacity itself is a
+    point. The sweep reaches down to about a 32nd of the trace's footprint per node
+    (or a quarter of the plan, whichever is smaller) and up to at least the footprint
+    per node (or twice the plan, whichever is larger), where a pooled cache holds
+    everything. Steps widen past 2x to keep about SWEEP_MAX_POINTS points.
+    With unlimited SSD only DRAM scales (SSD stays unlimited); with unlimited DRAM
+    the planned point is off the axis and the sweep is DRAM only around the footprint.
+    """
+    footprint = _footprint_per_node(requests, cfg.nodes)
+    dram, ssd = (footprint, 0) if cfg.dram_blocks is None else (cfg.dram_blocks, cfg.ssd_blocks)
+    planned = dram + (ssd or 0)
+    lo = min(planned / 4, footprint / 32)
+    hi = max(planned * 2, footprint)
+    k_lo = math.ceil(math.log2(lo / planned) - 1e-9)  # <= -2
+    k_hi = math.ceil(math.log2(hi / planned) - 1e-9)  # >= 1; the last point reaches hi
+    step = max(1, math.ceil((k_hi - k_lo + 1) / SWEEP_MAX_POINTS))
+    ks = sorted({*range(0, k_lo - step, -step), *range(0, k_hi + step, step)})  # cover both
+    points: dict[tuple[int, int | None], None] = {}
+    for k in ks:
+        f = 2.0**k
+        d = max(1, round(dram * f))
+        s = ssd if not ssd else max(1, round(ssd * f))  # 0 (no tier) and None stay as they are
+        points[(d, s)] = None
+    return list(points)
+
+
+def sweep_tokens(dram: int | None, ssd: int | None, block_tokens: int = BLOCK_TOKENS) -> int | None:
+    """The plot's x value: DRAM + SSD tokens per node (DRAM alone when SSD is unlimited)."""
+    if dram is None:
+        return None
+    return (dram + (ssd or 0)) * block_tokens
 
 
 def _jobs(
     requests: Sequence[TraceRequest], args: argparse.Namespace, base: SimConfig
 ) -> list[SimConfig]:
     modes = ["per-node", "pooled"] if args.mode == "both" else [args.mode]
-    jobs = [replace(base, pooled=m == "pooled") for m in modes]
+    planned = [replace(base, pooled=m == "pooled") for m in modes]
+    jobs = list(planned)
     if args.plot is not None:
-        for blocks in _sweep_blocks(requests, base):
-            jobs += [replace(j, dram_blocks=blocks) for j in jobs[: len(modes)]]
-    return list(dict.fromkeys(jobs))  # the planned capacity may also be a sweep point
+        for dram, ssd in sweep_capacities(requests, base):
+            jobs += [replace(j, dram_blocks=dram, ssd_blocks=ssd) for j in planned]
+    return list(dict.fromkeys(jobs))  # the planned capacity is also a sweep point
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _workers(args: argparse.Namespace, jobs: int, requests: int) -> int:
+    """Replays to run at once: ``--workers``, else one per CPU for sizeable work."""
+    if args.workers is not None:
+        if args.workers < 1:
+            raise ConfigError(f"--workers must be at least 1, got {args.workers}")
+        return min(args.workers, jobs)
+    if jobs * requests < PARALLEL_MIN_WORK:
+        return 1
+    return max(1, min(_cpus(), jobs))
 
 
 def _run_all(
-    requests: Sequence[TraceRequest], jobs: Sequence[SimConfig], cost: CostModel
+    requests: Sequence[TraceRequest],
+    jobs: Sequence[SimConfig],
+    cost: CostModel,
+    workers: int = 1,
 ) -> dict[SimConfig, SimResult]:
     """Replay every job behind one progress bar (on stderr, only on a terminal)."""
     from rich.console import Console
@@ -197,17 +276,107 @@ def _run_all(
 
     console = Console(stderr=True)
     total = len(jobs) * len(requests)
-    out: dict[SimConfig, SimResult] = {}
-    with Progress(
-        TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
-        TimeRemainingColumn(), console=console, disable=not console.is_terminal,
-    ) as bar:  # fmt: skip
-        task = bar.add_task("replaying", total=total)
-        for i, cfg in enumerate(jobs):
-            done = i * len(requests)
-            bar.update(task, description=f"{cfg.mode} {_fmt_blocks(cfg.dram_blocks)} DRAM")
-            out[cfg] = replay(requests, cfg, cost, progress=_ticker(bar, task, done))
-    return out
+
+    def progress() -> Progress:
+        return Progress(
+            TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+            TimeRemainingColumn(), console=console, disable=not console.is_terminal,
+        )  # fmt: skip
+
+    if workers <= 1:
+        out: dict[SimConfig, SimResult] = {}
+        with progress() as bar:
+            task = bar.add_task("replaying", total=total)
+            for i, cfg in enumerate(jobs):
+                done = i * len(requests)
+                bar.update(task, description=f"{i + 1}/{len(jobs)} {_job_name(cfg)}")
+                out[cfg] = replay(requests, cfg, cost, progress=_ticker(bar, task, done))
+        return out
+    return _run_parallel(requests, jobs, cost, workers, progress)
+
+
+def _job_name(cfg: SimConfig) -> str:
+    cap = f"{_fmt_blocks(cfg.dram_blocks)} DRAM"
+    if cfg.ssd_blocks != 0:
+        cap += f" + {_fmt_blocks(cfg.ssd_blocks)} SSD"
+    return f"{cfg.mode}, {cap}"
+
+
+_WORKER: dict[str, Any] = {}
+"""A worker process's trace, cost model and progress queue (set by _worker_init)."""
+
+
+def _worker_init(requests: Sequence[TraceRequest], cost: CostModel, queue: Any) -> None:
+    queue.cancel_join_thread()  # unread ticks must never keep a finished worker alive
+    _WORKER.update(requests=requests, cost=cost, queue=queue)
+
+
+def _worker_replay(index: int, cfg: SimConfig) -> SimResult:
+    queue = _WORKER["queue"]
+    return replay(
+        _WORKER["requests"], cfg, _WORKER["cost"], progress=lambda n: queue.put((index, n))
+    )
+
+
+def _run_parallel(
+    requests: Sequence[TraceRequest],
+    jobs: Sequence[SimConfig],
+    cost: CostModel,
+    workers: int,
+    progress: Callable[[], Any],
+) -> dict[SimConfig, SimResult]:
+    """Replays in ``workers`` processes; each reports its progress on a queue.
+
+    Every job is submitted before the progress bar (and its refresh thread) starts,
+    so a fork start method forks a single-threaded process. Results do not depend on
+    the order the replays finish in: each replay is deterministic and independent.
+    """
+    ctx = multiprocessing.get_context()
+    ticks = ctx.Queue()
+    with ProcessPoolExecutor(
+        workers, mp_context=ctx, initializer=_worker_init, initargs=(requests, cost, ticks)
+    ) as pool:
+        futures: dict[Future[SimResult], int] = {
+            pool.submit(_worker_replay, i, cfg): i for i, cfg in enumerate(jobs)
+        }
+        try:
+            _watch(futures, ticks, len(requests), workers, progress)
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        results = {jobs[i]: f.result() for f, i in futures.items()}
+    ticks.close()
+    return {cfg: results[cfg] for cfg in jobs}
+
+
+def _watch(
+    futures: dict[Future[SimResult], int],
+    ticks: Any,
+    n_requests: int,
+    workers: int,
+    progress: Callable[[], Any],
+) -> None:
+    """Drive the progress bar until every replay is done; re-raise the first failure."""
+    import queue as queue_mod
+
+    jobs = len(futures)
+    done = [0] * jobs  # requests replayed, per job
+    pending = set(futures)
+    with progress() as bar:
+        task = bar.add_task(f"{jobs} replays on {workers} cores", total=jobs * n_requests)
+        while pending:
+            finished, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+            try:
+                while True:
+                    i, n = ticks.get_nowait()
+                    done[i] = max(done[i], n)
+            except queue_mod.Empty:
+                pass
+            for f in finished:
+                f.result()  # a failed replay fails the plan now, not at the end
+                done[futures[f]] = n_requests
+            left = jobs - sum(n == n_requests for n in done)
+            bar.update(task, completed=sum(done), description=f"{jobs} replays, {left} left")
 
 
 def _ticker(bar: Any, task: Any, done: int) -> Callable[[int], None]:
@@ -226,10 +395,10 @@ def run(args: argparse.Namespace) -> int:
         cost = _cost(args)
         base = _base_config(args)
         jobs = _jobs(requests, args, base)
-        results = _run_all(requests, jobs, cost)
+        results = _run_all(requests, jobs, cost, _workers(args, len(jobs), len(requests)))
         report = _report(args, requests, base, results)
         if args.plot is not None:
-            _plot(args.plot, report, base)
+            _plot(args.plot, report)
     except KVStoreError as exc:
         print(f"kvstore plan: error: {exc}", file=sys.stderr)
         return 2
@@ -247,18 +416,28 @@ def _report(
     results: dict[SimConfig, SimResult],
 ) -> dict[str, Any]:
     """Everything the table, the JSON and the plot show, as plain data."""
-    main = {
-        cfg.mode: res.to_dict()
-        for cfg, res in results.items()
-        if cfg.dram_blocks == base.dram_blocks
-    }
+    planned = {replace(base, pooled=False), replace(base, pooled=True)}
+    main = {cfg.mode: res.to_dict() for cfg, res in results.items() if cfg in planned}
     ratio = None
     if "pooled" in main and "per-node" in main and main["per-node"]["hit_rate"] > 0:
         ratio = main["pooled"]["hit_rate"] / main["per-node"]["hit_rate"]
+    swept = set(sweep_capacities(requests, base)) if args.plot is not None else set()
     sweep = [
-        {"mode": cfg.mode, "dram_blocks": cfg.dram_blocks, "hit_rate": res.hit_rate}
-        for cfg, res in sorted(results.items(), key=lambda kv: (kv[0].mode, kv[0].dram_blocks or 0))
+        {
+            "mode": cfg.mode,
+            "dram_blocks": cfg.dram_blocks,
+            "ssd_blocks": cfg.ssd_blocks,
+            "tokens_per_node": sweep_tokens(cfg.dram_blocks, cfg.ssd_blocks, cfg.block_tokens),
+            "planned": cfg in planned,
+            "hit_rate": res.hit_rate,
+            "dram_hit_rate": res.dram_hit_rate,
+            "ssd_hit_rate": res.ssd_hit_rate,
+            "ttft_p50_s": res.ttft_p50_s,
+        }
+        for cfg, res in results.items()
+        if (cfg.dram_blocks, cfg.ssd_blocks) in swept
     ]
+    sweep.sort(key=lambda p: (p["mode"], p["tokens_per_node"]))
     return {
         "trace": str(args.trace),
         "requests": len(requests),
@@ -268,10 +447,13 @@ def _report(
         "ssd_blocks_per_node": base.ssd_blocks,
         "policy": base.policy,
         "scheduler": base.scheduler,
+        "time_scale": base.time_scale,
+        "footprint_blocks_per_node": _footprint_per_node(requests, base.nodes),
         "prefix_reuse_bound": prefix_reuse_bound(requests, base.block_tokens),
         "results": main,
         "pooled_over_per_node": ratio,
-        "sweep": sweep if args.plot is not None else [],
+        "sweep_axis": "dram" if base.ssd_blocks is None else "dram+ssd",
+        "sweep": sweep,
         "plot": None if args.plot is None else str(args.plot),
     }
 
@@ -365,38 +547,136 @@ def _print_table(report: dict[str, Any]) -> None:
         console.print(f"plot written to {report['plot']}")
 
 
-def _plot(path: Path, report: dict[str, Any], base: SimConfig) -> None:
-    """Hit rate against DRAM per node, one line per mode, the bound and the plan marked."""
+_MODES = (
+    ("pooled", "tab:orange", "s", "one pooled cache"),
+    ("per-node", "tab:blue", "o", "per-node caches"),
+)
+
+
+def _plot(path: Path, report: dict[str, Any]) -> None:
+    """Hit rate against capacity per node: a line per mode for all tiers, a dashed one
+    for the DRAM part (the shaded gap is what SSD adds), the plan and the bound marked."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     bt = report["block_tokens"]
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
-    for mode, style in (("per-node", "o-"), ("pooled", "s-")):
+    dram, ssd = report["dram_blocks_per_node"], report["ssd_blocks_per_node"]
+    tiered = dram is not None and ssd != 0  # an SSD tier that the sweep scales or keeps
+    bound = 100 * report["prefix_reuse_bound"]
+    fig, ax = plt.subplots(figsize=(9, 5.6), dpi=120)
+    handles: list[Any] = []
+    top = bound
+    for mode, colour, marker, label in _MODES:
         pts = [p for p in report["sweep"] if p["mode"] == mode]
-        if pts:
-            xs = [p["dram_blocks"] * bt for p in pts]
-            ax.plot(xs, [100 * p["hit_rate"] for p in pts], style, label=f"{mode} caches")
-    ax.axhline(100 * report["prefix_reuse_bound"], ls="--", c="grey", label="unlimited (bound)")
-    if base.dram_blocks is not None:
-        ax.axvline(base.dram_blocks * bt, ls=":", c="black", label="planned DRAM")
+        if not pts:
+            continue
+        xs = [p["tokens_per_node"] for p in pts]
+        total = [100 * p["hit_rate"] for p in pts]
+        top = max(top, *total)
+        ax.plot(xs, total, color=colour, marker=marker, lw=2.2, ms=5, zorder=3)
+        handles.append(Line2D([], [], color=colour, marker=marker, lw=2.2, label=label))
+        if tiered:
+            in_dram = [100 * p["dram_hit_rate"] for p in pts]
+            ax.plot(xs, in_dram, color=colour, ls="--", lw=1.3, zorder=3)
+            ax.fill_between(xs, in_dram, total, color=colour, alpha=0.14, lw=0, zorder=2)
+        for p in pts:
+            if p["planned"]:
+                _mark_plan(ax, p, colour, marker, tiered, mode == "pooled")
+        planned = report["results"].get(mode)
+        if dram is None and planned is not None:  # unlimited DRAM: the plan is off the axis
+            ax.axhline(100 * planned["hit_rate"], color=colour, ls=(0, (1, 2)), lw=1.5)
+    if tiered:
+        handles += [
+            Line2D([], [], color="0.3", ls="--", lw=1.3, label="of which from DRAM"),
+            Patch(color="0.3", alpha=0.25, lw=0, label="from SSD (the gap)"),
+        ]
+    if dram is None:
+        plan = Line2D([], [], color="0.1", ls=(0, (1, 2)), lw=1.5, label="planned: unlimited DRAM")
+    else:
+        plan = Line2D([], [], color="0.1", marker="*", ms=12, lw=0, mfc="white", label="planned")
+    handles.append(plan)
+
+    ax.axhline(bound, color="0.35", ls=":", lw=1.3, zorder=1)
+    ax.annotate(
+        f"unlimited cache: {bound:.1f}% (the trace's prefix-reuse bound)",
+        (0.01, bound), xycoords=("axes fraction", "data"), xytext=(0, 4),
+        textcoords="offset points", fontsize=8, color="0.3", va="bottom",
+    )  # fmt: skip
+    footprint = report["footprint_blocks_per_node"] * bt
+    if report["sweep_axis"] != "dram":
+        ax.axvline(footprint, color="0.6", lw=0.8, ls="-.", zorder=1)
+        ax.annotate(
+            "pool holds the\nwhole trace", (footprint, 1), xycoords=("data", "axes fraction"),
+            xytext=(-4, -4), textcoords="offset points", fontsize=7.5, color="0.45", va="top",
+            ha="right",
+        )  # fmt: skip
+
     ax.set_xscale("log")
-    ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda x, _: _si(x)))
-    ax.set_xlabel("DRAM per node (tokens, log scale)")
-    ax.set_ylabel("token-weighted prefix hit rate (%)")
-    ax.set_ylim(bottom=0)
+    ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: _si(x)))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:.0f}%"))
+    ax.set_ylim(0, top * 1.22)
+    ax.set_ylabel("prompt tokens served from the KV cache\n(token-weighted prefix hit rate)")
+    if report["sweep_axis"] == "dram":
+        ax.set_xlabel("DRAM per node (tokens, log scale); SSD unlimited")
+        ratio = "SSD unlimited"
+    elif dram is None:
+        ax.set_xlabel("DRAM per node (tokens, log scale); planned: unlimited (dotted)")
+        ratio = "DRAM only"
+    elif ssd:
+        ax.set_xlabel(
+            f"KV capacity per node: DRAM + SSD at the planned 1:{ssd / dram:.3g} "
+            "(tokens, log scale)"
+        )
+        share = dram / (dram + ssd)
+        sec = ax.secondary_xaxis("top", functions=(lambda x: x * share, lambda x: x / share))
+        sec.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        sec.xaxis.set_major_formatter(FuncFormatter(lambda x, _: _si(x)))
+        sec.xaxis.set_minor_formatter(NullFormatter())
+        sec.set_xlabel("of which DRAM per node (tokens)", fontsize=8.5, color="0.3")
+        sec.tick_params(labelsize=8, colors="0.3")
+        ratio = f"DRAM:SSD = 1:{ssd / dram:.3g}"
+    else:
+        ax.set_xlabel("DRAM per node (tokens, log scale); no SSD tier")
+        ratio = "no SSD"
+    ax.grid(True, which="major", alpha=0.3)
+    ax.grid(True, which="minor", axis="x", alpha=0.1)
+    ax.legend(handles=handles, loc="lower right", fontsize=8, framealpha=0.95)
     ax.set_title(
-        f"{Path(report['trace']).name}: {report['nodes']} nodes, {report['policy']}, "
-        f"{report['scheduler']}",
-        fontsize=10,
-    )
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
+        f"{report['requests']:,} requests, {report['nodes']} prefill nodes, {report['policy']} "
+        f"eviction, {report['scheduler']} scheduler, {ratio}",
+        fontsize=9, color="0.25", pad=28 if tiered and ssd else 8,
+    )  # fmt: skip
+    fig.suptitle(
+        f"How much prefill the KV cache saves: {Path(report['trace']).name}",
+        fontsize=12, fontweight="bold",
+    )  # fmt: skip
     fig.tight_layout()
     _atomic_savefig(fig, path)
     plt.close(fig)
+
+
+def _mark_plan(
+    ax: Any, p: dict[str, Any], colour: str, marker: str, tiered: bool, above: bool
+) -> None:
+    """Star the planned point and write its figures beside it."""
+    x, y = p["tokens_per_node"], 100 * p["hit_rate"]
+    ax.plot([x], [y], marker="*", ms=16, color=colour, mec="0.1", mew=1.0, zorder=5)
+    text = f"{p['mode']}: {p['hit_rate']:.1%}"
+    if tiered:
+        text += f"\n{p['dram_hit_rate']:.1%} DRAM + {p['ssd_hit_rate']:.1%} SSD"
+    ax.annotate(
+        text, (x, y), xytext=(10, 8 if above else -10), textcoords="offset points",
+        fontsize=8.5, color=colour, fontweight="bold", va="bottom" if above else "top",
+        bbox={"boxstyle": "round,pad=0.25", "fc": "white", "ec": "none", "alpha": 0.8},
+        zorder=6,
+    )  # fmt: skip
 
 
 def _atomic_savefig(fig: Any, path: Path) -> None:
@@ -404,6 +684,9 @@ def _atomic_savefig(fig: Any, path: Path) -> None:
     tmp: str | None = None
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        umask = os.umask(0o022)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; a plot is as readable as any file
         with os.fdopen(fd, "wb") as fh:
             fig.savefig(fh, format="png")
             fh.flush()

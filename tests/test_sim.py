@@ -211,13 +211,16 @@ def run_plan(*argv: str) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-def write_trace(path: Path, n: int = 200) -> Path:
-    lines = [
+def write_lines(n: int) -> list[str]:
+    return [
         json.dumps({"timestamp": i * 50, "input_length": 1500, "output_length": 20,
                     "hash_ids": [0, 1000 + i % 25, 2000 + i]})
         for i in range(n)
     ]  # fmt: skip
-    path.write_text("\n".join(lines) + "\n")
+
+
+def write_trace(path: Path, n: int = 200) -> Path:
+    path.write_text("\n".join(write_lines(n)) + "\n")
     return path
 
 
@@ -233,8 +236,81 @@ def test_plan_json_and_plot(tmp_path: Path) -> None:
     assert set(report["results"]) == {"per-node", "pooled"}
     assert report["results"]["pooled"]["config"]["dram_blocks"] == 20
     assert report["pooled_over_per_node"] is not None
-    assert {p["mode"] for p in report["sweep"]} == {"per-node", "pooled"}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert report["sweep_axis"] == "dram+ssd"
+    for mode, res in report["results"].items():
+        pts = [p for p in report["sweep"] if p["mode"] == mode]
+        tokens = [p["tokens_per_node"] for p in pts]
+        assert tokens == sorted(set(tokens)) and len(pts) >= 4  # strictly growing capacity
+        assert [p["ssd_blocks"] for p in pts] == sorted(p["ssd_blocks"] for p in pts)
+        (planned,) = [p for p in pts if p["planned"]]
+        assert (planned["dram_blocks"], planned["ssd_blocks"]) == (20, 40)
+        assert planned["tokens_per_node"] == 60 * 512
+        assert planned["hit_rate"] == res["hit_rate"]
+        for p in pts:
+            assert p["dram_hit_rate"] + p["ssd_hit_rate"] == pytest.approx(p["hit_rate"])
+            assert p["hit_rate"] <= report["prefix_reuse_bound"] + 1e-9
+
+
+def sweep(dram: int | None, ssd: int | None, nodes: int = 4) -> list[tuple[int, int | None]]:
+    # 1 + 25 + 200 distinct blocks: a footprint of 57 blocks per node over 4 nodes
+    return plan.sweep_capacities(plan_trace(), SimConfig(nodes=nodes, dram_blocks=dram,
+                                                         ssd_blocks=ssd))  # fmt: skip
+
+
+@cache
+def plan_trace() -> list[TraceRequest]:
+    return parse_trace(write_lines(200))
+
+
+def test_sweep_scales_dram_and_ssd_together_around_the_plan() -> None:
+    points = sweep(20, 80)
+    totals = [d + (s or 0) for d, s in points]
+    assert totals == sorted(set(totals))
+    assert (20, 80) in points
+    assert totals[0] <= 100 / 4 and totals[-1] >= 2 * 100  # a quarter of the plan to twice it
+    for d, s in points:
+        assert s == 4 * d or d < 8  # the planned 1:4, up to rounding of tiny capacities
+    assert 4 <= len(points) <= plan.SWEEP_MAX_POINTS + 1
+
+
+def test_sweep_reaches_the_footprint_and_stays_small_for_huge_plans() -> None:
+    footprint = -(-226 // 4)
+    assert sweep(4, 0)[-1][0] >= footprint  # past the point where the pool holds everything
+    assert sweep(4, 0)[0][0] <= footprint / 32
+    huge = sweep(10**9, 3 * 10**9)
+    assert (10**9, 3 * 10**9) in huge and len(huge) <= plan.SWEEP_MAX_POINTS + 1
+    assert huge[0][0] <= 2 and huge[-1][0] >= 2 * 10**9  # still a 32nd of the footprint up
+
+
+def test_sweep_with_unlimited_tiers() -> None:
+    no_ssd = sweep(20, 0)
+    assert all(s == 0 for _, s in no_ssd) and (20, 0) in no_ssd
+    ssd_unlimited = sweep(20, None)  # only DRAM scales; the SSD stays unlimited
+    assert all(s is None for _, s in ssd_unlimited) and (20, None) in ssd_unlimited
+    assert [d for d, _ in ssd_unlimited] == sorted({d for d, _ in ssd_unlimited})
+    dram_unlimited = sweep(None, 50)  # the plan is off the axis: DRAM only, finite
+    assert all(s == 0 and d >= 1 for d, s in dram_unlimited)
+    assert plan.sweep_tokens(None, 50) is None and plan.sweep_tokens(3, 5) == 8 * 512
+
+
+def test_plan_parallel_replays_match_serial(tmp_path: Path) -> None:
+    trace_file = write_trace(tmp_path / "t.jsonl")
+    argv = ("--trace", str(trace_file), "--nodes", "3", "--dram", "8b", "--ssd", "8b",
+            "--json", "--plot", str(tmp_path / "p.png"))  # fmt: skip
+
+    def strip(out: str) -> dict[str, object]:
+        report = json.loads(out)
+        for res in report["results"].values():
+            res["wall_s"] = 0
+        return report
+
+    code1, out1, _ = run_plan(*argv, "--workers", "1")
+    code2, out2, _ = run_plan(*argv, "--workers", "2")
+    assert code1 == code2 == 0
+    assert strip(out1) == strip(out2)
+    code, _, err = run_plan(*argv, "--workers", "0")
+    assert code == 2 and "--workers" in err
 
 
 def test_plan_table(tmp_path: Path) -> None:
