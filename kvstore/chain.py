@@ -330,9 +330,7 @@ class TierChain:
     def snapshot(self) -> list[tuple[BlockKey, TierKind, int]]:
         """Every block with its tier and size, taken under one lock (for re-syncs)."""
         with self.lock:
-            return [
-                (BlockKey(k), self.tiers[e.level].kind, e.size) for k, e in self.index.items()
-            ]
+            return [(BlockKey(k), self.tiers[e.level].kind, e.size) for k, e in self.index.items()]
 
     def tier_stats(self) -> tuple[dict[str, dict[str, int]], int]:
         """Per tier: capacity, used, blocks; plus the number of pinned blocks."""

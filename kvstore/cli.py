@@ -23,8 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     from engine import demo_cli, plan
+    from kvstore import server
 
     demo_cli.add_parser(sub)
+    server.add_parser(sub)
     plan.add_parser(sub)
     return parser
 

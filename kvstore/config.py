@@ -11,13 +11,21 @@ import dataclasses
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvstore.errors import ConfigError
 from kvstore.policy import POLICIES
 
-__all__ = ["ENV_PREFIX", "NodeConfig", "parse_size"]
+__all__ = [
+    "ENV_PREFIX",
+    "ClientConfig",
+    "NodeConfig",
+    "ServerConfig",
+    "load_layered",
+    "parse_size",
+    "read_config_file",
+]
 
 ENV_PREFIX = "KVSTORE_"
 
@@ -140,3 +148,213 @@ def _coerce(cls: type, name: str, value: Any) -> Any:
         except (TypeError, ValueError):
             raise ConfigError(f"{name}: expected an integer, got {value!r}") from None
     return str(value)
+
+
+# -- server and client ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """How ``kvstore serve`` listens, authenticates and bounds requests.
+
+    Attributes:
+        host: address both listeners bind (loopback by default: exposing a node is a choice).
+        port: gRPC control-plane port (0 picks a free one, reported at start).
+        data_port: data-socket port for bulk bytes (0 picks a free one; clients learn it
+            from the Info call).
+        auth_token: one bearer token for tenant "default" with admin rights (dev setups).
+        tokens_file: TOML/JSON file of ``[[tokens]] token, tenant, admin`` entries.
+        allow_anonymous: accept calls without a token as tenant "default" (tests only).
+        tls_cert / tls_key: PEM files; when set, gRPC and the data socket use TLS.
+        max_batch: most keys in one request.
+        max_message_bytes: largest gRPC message and data-frame metadata accepted.
+        max_inline_bytes: most payload bytes in one inline gRPC Get/Put.
+        lease_ttl_s: how long a shared-memory read or write lease lives unless released.
+        io_timeout_s: a frame that starts must finish within this (else the connection
+            closes and its reservation is aborted).
+        workers: threads running blocking node calls for gRPC handlers.
+        max_connections: concurrent data sockets.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 7400
+    data_port: int = 0
+    auth_token: str = field(default="", repr=False)
+    tokens_file: str = ""
+    allow_anonymous: bool = False
+    tls_cert: str = ""
+    tls_key: str = ""
+    max_batch: int = 1024
+    max_message_bytes: int = 16 * 1024**2
+    max_inline_bytes: int = 4 * 1024**2
+    lease_ttl_s: float = 30.0
+    io_timeout_s: float = 30.0
+    workers: int = 8
+    max_connections: int = 256
+
+    def __post_init__(self) -> None:
+        if not self.host or any(c.isspace() for c in self.host):
+            raise ConfigError(f"host {self.host!r}: give an address to bind, e.g. 127.0.0.1")
+        for name in ("port", "data_port"):
+            v = getattr(self, name)
+            if not 0 <= v <= 65535:
+                raise ConfigError(f"{name}: {v} is not a TCP port (0-65535)")
+        if self.port and self.port == self.data_port:
+            raise ConfigError(f"data_port: must differ from port ({self.port})")
+        if not (self.auth_token or self.tokens_file or self.allow_anonymous):
+            raise ConfigError(
+                "auth: set auth_token or tokens_file (allow_anonymous=true only for local tests)"
+            )
+        if self.auth_token and len(self.auth_token) < 16:
+            raise ConfigError("auth_token: use at least 16 characters")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("tls_cert and tls_key: set both or neither")
+        for name in ("tokens_file", "tls_cert", "tls_key"):
+            path = getattr(self, name)
+            if path and not os.path.isfile(path):
+                raise ConfigError(f"{name}: no such file {path!r}")
+        _positive(self, "max_batch", "max_message_bytes", "max_inline_bytes", "workers")
+        _positive(self, "lease_ttl_s", "io_timeout_s", "max_connections")
+        if self.max_inline_bytes > self.max_message_bytes:
+            raise ConfigError("max_inline_bytes: must not exceed max_message_bytes")
+
+    @property
+    def tls(self) -> bool:
+        """Whether both listeners use TLS."""
+        return bool(self.tls_cert)
+
+
+@dataclass(frozen=True, slots=True)
+class ClientConfig:
+    """How a StoreClient connects, waits and retries.
+
+    Attributes:
+        token: bearer token sent on every call (``KVSTORE_TOKEN``).
+        timeout_s: default deadline of one call, retries included.
+        connect_timeout_s: deadline of opening the client (first Info call).
+        retries: extra attempts after a retryable failure (``error.retryable``).
+        backoff_s: first retry delay; doubles per attempt, with jitter.
+        transport: ``auto`` (shared memory when the server is on this host and its
+            segment maps, else TCP), ``shm`` or ``tcp``.
+        tls: use TLS (system roots unless ``tls_ca``).
+        tls_ca: PEM file of the CA (or self-signed cert) to trust; implies ``tls``.
+        tls_server_name: name to check the server certificate against, when it differs
+            from the host in the address.
+        pool_size: data sockets kept open (and the async client's thread count).
+        verify_shm: also xxh3-check blocks copied out of shared memory (about 18 us per
+            MiB). Off by default: the lease deadline already proves the copy was pinned
+            (and checksums are used anyway when the server's clock is not this one).
+        max_message_bytes: largest gRPC message this client accepts.
+    """
+
+    token: str = field(default="", repr=False)
+    timeout_s: float = 10.0
+    connect_timeout_s: float = 5.0
+    retries: int = 3
+    backoff_s: float = 0.05
+    transport: str = "auto"
+    tls: bool = False
+    tls_ca: str = ""
+    tls_server_name: str = ""
+    pool_size: int = 8
+    verify_shm: bool = False
+    max_message_bytes: int = 64 * 1024**2
+
+    def __post_init__(self) -> None:
+        if self.transport not in ("auto", "shm", "tcp"):
+            raise ConfigError(f"transport {self.transport!r}: choose auto, shm or tcp")
+        if self.tls_ca and not os.path.isfile(self.tls_ca):
+            raise ConfigError(f"tls_ca: no such file {self.tls_ca!r}")
+        if self.retries < 0:
+            raise ConfigError("retries: must be >= 0")
+        _positive(self, "timeout_s", "connect_timeout_s", "pool_size", "max_message_bytes")
+        if self.backoff_s < 0:
+            raise ConfigError("backoff_s: must be >= 0")
+
+    @property
+    def use_tls(self) -> bool:
+        """Whether to connect with TLS."""
+        return self.tls or bool(self.tls_ca)
+
+    @classmethod
+    def load(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> ClientConfig:
+        """Defaults, then ``KVSTORE_<FIELD>`` variables, then explicit overrides."""
+        return load_layered(cls, env=env, flags=overrides)
+
+
+def _positive(obj: Any, *names: str) -> None:
+    for name in names:
+        if getattr(obj, name) <= 0:
+            raise ConfigError(f"{name}: must be > 0, got {getattr(obj, name)}")
+
+
+def load_layered(
+    cls: Any,
+    *,
+    env: Mapping[str, str] | None = None,
+    file_values: Mapping[str, Any] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> Any:
+    """Build a config dataclass from defaults < file < ``KVSTORE_*`` env < flags.
+
+    Unknown names are refused (naming them), values are coerced to the field's type
+    with the field named on error, and the dataclass validates the result.
+    """
+    env = os.environ if env is None else env
+    names = {f.name for f in fields(cls)}
+    raw: dict[str, Any] = {}
+    unknown = set(file_values or {}) - names
+    if unknown:
+        raise ConfigError(f"unknown setting(s) in config file: {', '.join(sorted(unknown))}")
+    raw.update(file_values or {})
+    for name in names:
+        v = env.get(ENV_PREFIX + name.upper())
+        if v is not None:
+            raw[name] = v
+    unknown = set(flags or {}) - names
+    if unknown:
+        raise ConfigError(f"unknown setting(s): {', '.join(sorted(unknown))}")
+    raw.update({k: v for k, v in (flags or {}).items() if v is not None})
+    return cls(**{k: _coerce_field(cls, k, v) for k, v in raw.items()})
+
+
+def _coerce_field(cls: type, name: str, value: Any) -> Any:
+    default = {f.name: f.default for f in fields(cls)}[name]
+    if isinstance(default, float):
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name}: expected a number, got {value!r}") from None
+    if isinstance(default, int) and not isinstance(default, bool) and isinstance(value, float):
+        raise ConfigError(f"{name}: expected an integer, got {value!r}")
+    return _coerce(cls, name, value)
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
+    """Read a TOML (``.toml``) or JSON file of ``[node]`` and ``[server]`` tables."""
+    import json
+
+    p = os.fspath(path)
+    try:
+        with open(p, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise ConfigError(f"config file {p!r}: {exc.strerror}") from None
+    try:
+        if p.endswith(".json"):
+            doc = json.loads(data)
+        else:
+            import tomllib
+
+            doc = tomllib.loads(data.decode())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {p!r}: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"config file {p!r}: expected tables [node] and [server]")
+    extra = set(doc) - {"node", "server"}
+    if extra:
+        raise ConfigError(f"config file {p!r}: unknown table(s) {', '.join(sorted(extra))}")
+    for table in doc.values():
+        if not isinstance(table, dict):
+            raise ConfigError(f"config file {p!r}: [node] and [server] must be tables")
+    return {"node": dict(doc.get("node", {})), "server": dict(doc.get("server", {}))}

@@ -1,0 +1,326 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Scope(_message.Message):
+    __slots__ = ("model", "layout")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    layout: str
+    def __init__(self, model: _Optional[str] = ..., layout: _Optional[str] = ...) -> None: ...
+
+class Status(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class ValueMeta(_message.Message):
+    __slots__ = ("dtype", "shape", "kind", "nbytes")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    kind: int
+    nbytes: int
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., kind: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class Limits(_message.Message):
+    __slots__ = ("max_value_bytes", "max_batch", "max_message_bytes", "max_inline_bytes")
+    MAX_VALUE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_INLINE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    max_value_bytes: int
+    max_batch: int
+    max_message_bytes: int
+    max_inline_bytes: int
+    def __init__(self, max_value_bytes: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_inline_bytes: _Optional[int] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("version", "node_id", "tenant", "admin", "host_id", "hostname", "data_port", "shm_name", "shm_size", "lease_ttl_ms", "limits", "tiers", "instance_id", "draining", "unix_socket")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    ADMIN_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    SHM_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    UNIX_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    node_id: str
+    tenant: str
+    admin: bool
+    host_id: str
+    hostname: str
+    data_port: int
+    shm_name: str
+    shm_size: int
+    lease_ttl_ms: int
+    limits: Limits
+    tiers: _containers.RepeatedScalarFieldContainer[str]
+    instance_id: str
+    draining: bool
+    unix_socket: str
+    def __init__(self, version: _Optional[str] = ..., node_id: _Optional[str] = ..., tenant: _Optional[str] = ..., admin: _Optional[bool] = ..., host_id: _Optional[str] = ..., hostname: _Optional[str] = ..., data_port: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_size: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., tiers: _Optional[_Iterable[str]] = ..., instance_id: _Optional[str] = ..., draining: _Optional[bool] = ..., unix_socket: _Optional[str] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthResponse(_message.Message):
+    __slots__ = ("status", "version", "instance_id")
+    class ServingStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        UNKNOWN: _ClassVar[HealthResponse.ServingStatus]
+        SERVING: _ClassVar[HealthResponse.ServingStatus]
+        DRAINING: _ClassVar[HealthResponse.ServingStatus]
+    UNKNOWN: HealthResponse.ServingStatus
+    SERVING: HealthResponse.ServingStatus
+    DRAINING: HealthResponse.ServingStatus
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    status: HealthResponse.ServingStatus
+    version: str
+    instance_id: str
+    def __init__(self, status: _Optional[_Union[HealthResponse.ServingStatus, str]] = ..., version: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
+
+class KeysRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class ExistsResponse(_message.Message):
+    __slots__ = ("present",)
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
+    present: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, present: _Optional[_Iterable[bool]] = ...) -> None: ...
+
+class MatchPrefixResponse(_message.Message):
+    __slots__ = ("matched",)
+    MATCHED_FIELD_NUMBER: _ClassVar[int]
+    matched: int
+    def __init__(self, matched: _Optional[int] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("tier",)
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    tier: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tier: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RemoveResponse(_message.Message):
+    __slots__ = ("removed",)
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    removed: int
+    def __init__(self, removed: _Optional[int] = ...) -> None: ...
+
+class GetRequest(_message.Message):
+    __slots__ = ("scope", "keys")
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    scope: Scope
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, scope: _Optional[_Union[Scope, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class BlockRef(_message.Message):
+    __slots__ = ("found", "header", "payload", "lease_id", "offset", "error")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    header: bytes
+    payload: bytes
+    lease_id: int
+    offset: int
+    error: Status
+    def __init__(self, found: _Optional[bool] = ..., header: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., lease_id: _Optional[int] = ..., offset: _Optional[int] = ..., error: _Optional[_Union[Status, _Mapping]] = ...) -> None: ...
+
+class GetResponse(_message.Message):
+    __slots__ = ("blocks", "shm_name", "lease_expires_ns", "server_now_ns")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_NS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_NOW_NS_FIELD_NUMBER: _ClassVar[int]
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockRef]
+    shm_name: str
+    lease_expires_ns: int
+    server_now_ns: int
+    def __init__(self, blocks: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ..., shm_name: _Optional[str] = ..., lease_expires_ns: _Optional[int] = ..., server_now_ns: _Optional[int] = ...) -> None: ...
+
+class PutItem(_message.Message):
+    __slots__ = ("key", "meta", "checksum", "payload")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    META_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    meta: ValueMeta
+    checksum: int
+    payload: bytes
+    def __init__(self, key: _Optional[bytes] = ..., meta: _Optional[_Union[ValueMeta, _Mapping]] = ..., checksum: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class PutRequest(_message.Message):
+    __slots__ = ("scope", "items")
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    scope: Scope
+    items: _containers.RepeatedCompositeFieldContainer[PutItem]
+    def __init__(self, scope: _Optional[_Union[Scope, _Mapping]] = ..., items: _Optional[_Iterable[_Union[PutItem, _Mapping]]] = ...) -> None: ...
+
+class PutResult(_message.Message):
+    __slots__ = ("stored", "error", "lease_id", "offset")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    stored: bool
+    error: Status
+    lease_id: int
+    offset: int
+    def __init__(self, stored: _Optional[bool] = ..., error: _Optional[_Union[Status, _Mapping]] = ..., lease_id: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class PutResponse(_message.Message):
+    __slots__ = ("results", "shm_name", "lease_expires_ns")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_NS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[PutResult]
+    shm_name: str
+    lease_expires_ns: int
+    def __init__(self, results: _Optional[_Iterable[_Union[PutResult, _Mapping]]] = ..., shm_name: _Optional[str] = ..., lease_expires_ns: _Optional[int] = ...) -> None: ...
+
+class CommitItem(_message.Message):
+    __slots__ = ("lease_id", "checksum")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    checksum: int
+    def __init__(self, lease_id: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[CommitItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[CommitItem, _Mapping]]] = ...) -> None: ...
+
+class LeaseRequest(_message.Message):
+    __slots__ = ("lease_ids",)
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LeaseResponse(_message.Message):
+    __slots__ = ("released", "expired")
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    expired: int
+    def __init__(self, released: _Optional[int] = ..., expired: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("tier", "capacity", "used", "blocks")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    USED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    capacity: int
+    used: int
+    blocks: int
+    def __init__(self, tier: _Optional[str] = ..., capacity: _Optional[int] = ..., used: _Optional[int] = ..., blocks: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("node_id", "blocks", "pinned", "events_dropped", "tiers", "counters", "server")
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class ServerEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    blocks: int
+    pinned: int
+    events_dropped: int
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    counters: _containers.ScalarMap[str, int]
+    server: _containers.ScalarMap[str, int]
+    def __init__(self, node_id: _Optional[str] = ..., blocks: _Optional[int] = ..., pinned: _Optional[int] = ..., events_dropped: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., server: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class EvictRequest(_message.Message):
+    __slots__ = ("tier", "target_bytes")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    TARGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    target_bytes: int
+    def __init__(self, tier: _Optional[str] = ..., target_bytes: _Optional[int] = ...) -> None: ...
+
+class EvictResponse(_message.Message):
+    __slots__ = ("moved",)
+    MOVED_FIELD_NUMBER: _ClassVar[int]
+    moved: int
+    def __init__(self, moved: _Optional[int] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("draining",)
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    draining: bool
+    def __init__(self, draining: _Optional[bool] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("draining",)
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    draining: bool
+    def __init__(self, draining: _Optional[bool] = ...) -> None: ...
+
+class Hello(_message.Message):
+    __slots__ = ("token", "protocol")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    protocol: int
+    def __init__(self, token: _Optional[str] = ..., protocol: _Optional[int] = ...) -> None: ...

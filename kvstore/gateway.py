@@ -1,0 +1,341 @@
+"""The tenant-scoped, limit-checked face of one StoreNode, shared by both front ends.
+
+The gRPC servicer (service.py) and the data-socket server (transport/dataserver.py)
+decode a request, authenticate its caller to a Principal and call this; nothing here
+knows a wire format. That keeps the rules in one place:
+
+- every key is scoped by the caller's tenant (``Principal.scope``) before the node sees
+  it, and the namespace checked against block headers is built from the request's model
+  and layout plus that tenant, never a tenant named by the request;
+- batch size and value size are checked before any byte moves;
+- shared-memory grants are leases (kvstore/leases.py), ended by release, by their data
+  connection closing, or by expiry;
+- while draining, writes are refused and reads keep working.
+
+Methods are blocking (node calls may do SSD I/O) and thread-safe; callers on an event
+loop run them in a thread pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvstore.auth import Principal
+from kvstore.blocks import ValueInfo
+from kvstore.config import ServerConfig
+from kvstore.errors import (
+    BlockTooLarge,
+    ConfigError,
+    InvalidValue,
+    KVStoreError,
+    LimitExceeded,
+    ReservationError,
+    StorageError,
+    Unavailable,
+)
+from kvstore.keys import Namespace
+from kvstore.layout import KVLayout
+from kvstore.leases import Lease, LeaseKind, LeaseTable
+from kvstore.node import BlockRead, Reservation, StoreNode
+from kvstore.stats import NodeCounters
+from kvstore.tiers.base import TierKind
+
+__all__ = ["Gateway", "ReadItem", "fill_target"]
+
+log = logging.getLogger(__name__)
+
+ReadItem = BlockRead | None | KVStoreError  # a pinned hit, a miss, or that key's failure
+
+
+class _FixedNamespace(Namespace):
+    """A Namespace whose layout and fingerprint are computed once.
+
+    The node asks for ``fingerprint()`` on every key it reads (about 9 us each); the
+    gateway builds one of these per (tenant, model, layout) and reuses it.
+    """
+
+    __slots__ = ("_fp", "_kl")
+    _fp: bytes
+    _kl: KVLayout
+
+    def __init__(self, model: str, layout: str, tenant: str) -> None:
+        super().__init__(model, layout, tenant)
+        object.__setattr__(self, "_kl", KVLayout.parse(layout))
+        object.__setattr__(self, "_fp", Namespace.fingerprint(self))
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return self._kl
+
+    def fingerprint(self, block_tokens: int | None = None) -> bytes:
+        if block_tokens is None:
+            return self._fp
+        return Namespace.fingerprint(self, block_tokens)
+
+
+def fill_target(res: Reservation) -> tuple[np.ndarray, Callable[[], None]]:
+    """A host uint8 array to fill a reservation through, and what to call once it is full.
+
+    A DRAM reservation is filled in place (the call is a no-op); an HBM one goes through
+    a host staging buffer copied to the device at the end.
+    """
+    payload = res.payload
+    if isinstance(payload, np.ndarray):
+        return payload, _nothing
+    staging = np.empty(res.info.nbytes, dtype=np.uint8)
+
+    def finish() -> None:
+        import torch
+
+        payload.copy_(torch.from_numpy(staging))
+
+    return staging, finish
+
+
+def _nothing() -> None:
+    return None
+
+
+class Gateway:
+    """Scoped, checked node operations for authenticated principals."""
+
+    def __init__(self, node: StoreNode, config: ServerConfig) -> None:
+        self.node = node
+        self.config = config
+        self.max_value_bytes = node.config.max_value_bytes
+        self.leases = LeaseTable(config.lease_ttl_s, self._end_lease)
+        self.counters = NodeCounters()
+        self.gauges: dict[str, Callable[[], int]] = {}  # live values for stats (connections)
+        self.draining = False
+        self._ns: dict[tuple[str, str, str], Namespace] = {}
+        self._ns_lock = threading.Lock()
+
+    def close(self) -> None:
+        """End every lease (pins and reservations go back to the node)."""
+        self.leases.close()
+
+    # -- checks ------------------------------------------------------------------------
+
+    def check_batch(self, n: int) -> None:
+        """Refuse a request naming more keys than ``max_batch``."""
+        if n > self.config.max_batch:
+            raise LimitExceeded(f"{n} keys in one request; max_batch is {self.config.max_batch}")
+
+    def check_value(self, info: ValueInfo) -> None:
+        """Refuse a value larger than the node's ``max_value_bytes``."""
+        if info.nbytes > self.max_value_bytes:
+            raise BlockTooLarge(
+                f"value of {info.nbytes} bytes exceeds max_value_bytes {self.max_value_bytes}"
+            )
+
+    def namespace(self, p: Principal, model: str, layout: str) -> Namespace | None:
+        """The caller's namespace: the request's model and layout, the token's tenant."""
+        if not model and not layout:
+            return None
+        key = (p.tenant, model, layout)
+        ns = self._ns.get(key)
+        if ns is None:
+            try:
+                ns = _FixedNamespace(model, layout, p.tenant)
+            except ConfigError as exc:
+                raise InvalidValue(f"bad scope: {exc}") from None
+            with self._ns_lock:
+                if len(self._ns) > 4096:
+                    self._ns.clear()
+                self._ns[key] = ns
+        return ns
+
+    def _writable(self) -> None:
+        if self.draining:
+            raise Unavailable("server is draining: writes are refused, reads still work")
+
+    # -- metadata ----------------------------------------------------------------------
+
+    def exists(self, p: Principal, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each of the caller's keys is stored."""
+        self.check_batch(len(keys))
+        return self.node.exists(p.scope_all(keys))
+
+    def match_prefix(self, p: Principal, keys: Sequence[bytes]) -> int:
+        """How many of the caller's leading keys are stored."""
+        self.check_batch(len(keys))
+        return self.node.match_prefix(p.scope_all(keys))
+
+    def lookup(self, p: Principal, keys: Sequence[bytes]) -> list[str]:
+        """The tier of each key ("" when absent)."""
+        self.check_batch(len(keys))
+        tiers = [self.node.tier_of(k) for k in p.scope_all(keys)]
+        return [t.value if t is not None else "" for t in tiers]
+
+    def remove(self, p: Principal, keys: Sequence[bytes]) -> int:
+        """Remove the caller's blocks; how many were present."""
+        self.check_batch(len(keys))
+        return self.node.remove(p.scope_all(keys))
+
+    # -- reads -------------------------------------------------------------------------
+
+    def open_reads(
+        self, p: Principal, keys: Sequence[bytes], ns: Namespace | None
+    ) -> list[ReadItem]:
+        """Pin each key (None on a miss, the error for a failed key); the caller must
+        :meth:`close_reads` the result, whatever happens in between."""
+        self.check_batch(len(keys))
+        scoped = p.scope_all(keys)
+        out: list[ReadItem] = []
+        try:
+            for k in scoped:
+                try:
+                    out.append(self.node.open_read(k, namespace=ns))
+                except KVStoreError as exc:
+                    out.append(exc)
+        except BaseException:
+            self.close_reads(out)
+            raise
+        return out
+
+    def close_reads(self, reads: Sequence[ReadItem]) -> None:
+        """Unpin what :meth:`open_reads` pinned (skipping leased ones is the caller's job)."""
+        for r in reads:
+            if isinstance(r, BlockRead):
+                self.node.close_read(r)
+
+    @staticmethod
+    def shm_offset(blk: BlockRead) -> int:
+        """Extent offset a same-host client may copy from, or -1 (SSD buffer, HBM)."""
+        return blk.offset if blk.tier is TierKind.DRAM else -1
+
+    def lease_read(self, p: Principal, blk: BlockRead, owner: int | None) -> Lease:
+        """Hand a pinned DRAM block to a same-host client under a read lease."""
+        return self.leases.grant(LeaseKind.READ, blk, p.tenant, owner)
+
+    def release_reads(self, p: Principal, lease_ids: Sequence[int]) -> tuple[int, int]:
+        """End read leases; returns (released, expired or unknown)."""
+        released = 0
+        for lid in lease_ids:
+            lease = self.leases.take(lid, p.tenant, LeaseKind.READ)
+            if lease is not None:
+                self.node.close_read(lease.obj)
+                released += 1
+        return released, len(lease_ids) - released
+
+    @property
+    def lease_ttl_ns(self) -> int:
+        """How long a lease lives."""
+        return self.leases.ttl_ns
+
+    # -- writes ------------------------------------------------------------------------
+
+    def reserve(
+        self, p: Principal, key: bytes, info: ValueInfo, ns: Namespace | None
+    ) -> Reservation | None:
+        """Phase one of a put of the caller's key; None if it is already stored."""
+        self._writable()
+        self.check_value(info)
+        scoped = p.scope(key)
+        if self.node.exists([scoped])[0]:
+            return None
+        return self.node.reserve(scoped, info, namespace=ns)
+
+    def commit(self, res: Reservation, checksum: int) -> bool:
+        """Phase two: the node verifies the payload's xxh3 against the writer's."""
+        try:
+            return self.node.commit(res, expected_checksum=checksum)
+        except KVStoreError:
+            self.counters.inc("rejected_commits")
+            raise
+
+    def abort(self, res: Reservation) -> None:
+        """Drop a reservation and free its space."""
+        self.node.abort(res)
+
+    def reserve_leased(
+        self, p: Principal, key: bytes, info: ValueInfo, ns: Namespace | None, owner: int | None
+    ) -> Lease | None:
+        """Reserve for a same-host writer (the extent must be in the DRAM segment)."""
+        if self.node.tiers[0] is not TierKind.DRAM:
+            raise StorageError("shared-memory writes need a DRAM top tier; use the data socket")
+        res = self.reserve(p, key, info, ns)
+        if res is None:
+            return None
+        return self.leases.grant(LeaseKind.WRITE, res, p.tenant, owner)
+
+    def commit_leased(self, p: Principal, lease_id: int, checksum: int) -> bool:
+        """Commit a same-host write; an expired or unknown lease is a ReservationError."""
+        lease = self.leases.take(lease_id, p.tenant, LeaseKind.WRITE)
+        if lease is None:
+            raise ReservationError("reservation lease expired or unknown; write it again")
+        return self.commit(lease.obj, checksum)
+
+    def abort_leased(self, p: Principal, lease_ids: Sequence[int]) -> tuple[int, int]:
+        """Abort same-host writes; returns (aborted, expired or unknown)."""
+        n = 0
+        for lid in lease_ids:
+            lease = self.leases.take(lid, p.tenant, LeaseKind.WRITE)
+            if lease is not None:
+                self.node.abort(lease.obj)
+                n += 1
+        return n, len(lease_ids) - n
+
+    def put_inline(
+        self,
+        p: Principal,
+        key: bytes,
+        info: ValueInfo,
+        payload: bytes,
+        checksum: int,
+        ns: Namespace | None,
+    ) -> bool:
+        """A whole put from bytes already in memory (the gRPC inline path)."""
+        if len(payload) != info.nbytes:
+            raise InvalidValue(f"payload is {len(payload)} bytes, meta says {info.nbytes}")
+        res = self.reserve(p, key, info, ns)
+        if res is None:
+            return False
+        try:
+            target, finish = fill_target(res)
+            np.copyto(target, np.frombuffer(payload, dtype=np.uint8))
+            finish()
+        except BaseException:
+            self.abort(res)
+            raise
+        return self.commit(res, checksum)
+
+    def _end_lease(self, lease: Lease) -> None:
+        if lease.kind is LeaseKind.READ:
+            self.node.close_read(lease.obj)
+        else:
+            self.node.abort(lease.obj)
+
+    # -- admin -------------------------------------------------------------------------
+
+    def stats(self, p: Principal) -> tuple[dict[str, Any], dict[str, int]]:
+        """Node stats and server counters (any authenticated caller: no keys in them)."""
+        server = self.counters.snapshot()
+        server.update({name: fn() for name, fn in self.gauges.items()})
+        server["leases"] = len(self.leases)
+        server["leases_expired"] = self.leases.expired
+        server["draining"] = int(self.draining)
+        return self.node.stats(), server
+
+    def evict(self, p: Principal, tier: str, target_bytes: int) -> int:
+        """Admin: demote or drop blocks until ``tier`` holds at most ``target_bytes``."""
+        p.require_admin("evict")
+        try:
+            kind = TierKind(tier)
+        except ValueError:
+            raise InvalidValue(f"unknown tier {tier!r}; this node has {self.node.tiers}") from None
+        if kind not in self.node.tiers:
+            raise InvalidValue(f"this node has no {tier} tier")
+        return self.node.evict(kind, target_bytes)
+
+    def drain(self, p: Principal, draining: bool) -> bool:
+        """Admin: refuse (or accept again) new writes."""
+        p.require_admin("drain")
+        self.draining = draining
+        log.info("draining %s", "on" if draining else "off")
+        return self.draining
