@@ -192,43 +192,86 @@ class StoreClient:
 
     # -- data ------------------------------------------------------------------------------
 
-    def put(self, key: bytes, value: Any, *, timeout: float | None = None) -> bool:
+    # ``namespace=`` on a data call overrides the client's default for that call (the
+    # tenant part is still fixed by the server from the token); StoreNode takes the same
+    # keyword, so engine code runs against either.
+
+    def put(
+        self,
+        key: bytes,
+        value: Any,
+        *,
+        namespace: Namespace | None = None,
+        timeout: float | None = None,
+    ) -> bool:
         """Store one block (torch tensor, numpy array or bytes); False if already stored."""
-        return bool(_one(self.batch_put([key], [value], timeout=timeout)))
+        return bool(_one(self.batch_put([key], [value], namespace=namespace, timeout=timeout)))
 
-    def get(self, key: bytes, *, timeout: float | None = None) -> Any:
+    def get(
+        self, key: bytes, *, namespace: Namespace | None = None, timeout: float | None = None
+    ) -> Any:
         """A new value of the stored kind, or None on a miss."""
-        return _one(self.batch_get([key], timeout=timeout))
+        return _one(self.batch_get([key], namespace=namespace, timeout=timeout))
 
-    def get_into(self, key: bytes, out: Any, *, timeout: float | None = None) -> bool:
+    def get_into(
+        self,
+        key: bytes,
+        out: Any,
+        *,
+        namespace: Namespace | None = None,
+        timeout: float | None = None,
+    ) -> bool:
         """Copy a block into a preallocated tensor/array of the stored dtype and size.
 
         False on a miss (``out`` may then hold partial bytes). No intermediate copy.
         """
-        return bool(_one(self.batch_get_into([key], [out], timeout=timeout)))
+        res = self.batch_get_into([key], [out], namespace=namespace, timeout=timeout)
+        return bool(_one(res))
 
     def batch_put(
-        self, keys: Sequence[bytes], values: Sequence[Any], *, timeout: float | None = None
+        self,
+        keys: Sequence[bytes],
+        values: Sequence[Any],
+        *,
+        namespace: Namespace | None = None,
+        timeout: float | None = None,
     ) -> list[bool | KVStoreError]:
         """Store each pair: True stored, False already present, or that key's error."""
         ks = self._keys(keys)
         if len(values) != len(ks):
             raise InvalidValue(f"{len(ks)} keys but {len(values)} values")
-        return self._data(lambda c, t, d: t.write(c, ks, values, self._scope, d), timeout)
+        scope = self._scope_for(namespace)
+        return self._data(lambda c, t, d: t.write(c, ks, values, scope, d), timeout)
 
-    def batch_get(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[Any]:
+    def batch_get(
+        self,
+        keys: Sequence[bytes],
+        *,
+        namespace: Namespace | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
         """New values: each a value, None (miss) or that key's error."""
         ks = self._keys(keys)
-        return self._data(lambda c, t, d: t.read(c, ks, None, self._scope, d), timeout)
+        scope = self._scope_for(namespace)
+        return self._data(lambda c, t, d: t.read(c, ks, None, scope, d), timeout)
 
     def batch_get_into(
-        self, keys: Sequence[bytes], outs: Sequence[Any], *, timeout: float | None = None
+        self,
+        keys: Sequence[bytes],
+        outs: Sequence[Any],
+        *,
+        namespace: Namespace | None = None,
+        timeout: float | None = None,
     ) -> list[bool | KVStoreError]:
         """get_into for each pair: True hit, False miss, or that key's error."""
         ks = self._keys(keys)
         if len(outs) != len(ks):
             raise InvalidValue(f"{len(ks)} keys but {len(outs)} outputs")
-        return self._data(lambda c, t, d: t.read(c, ks, outs, self._scope, d), timeout)
+        scope = self._scope_for(namespace)
+        return self._data(lambda c, t, d: t.read(c, ks, outs, scope, d), timeout)
+
+    def _scope_for(self, namespace: Namespace | None) -> Any:
+        return self._scope if namespace is None else scope_of(namespace)
 
     # -- metadata -----------------------------------------------------------------------
 
@@ -392,27 +435,63 @@ class AsyncStoreClient:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kw))
 
-    async def put(self, key: bytes, value: Any, *, timeout: float | None = None) -> bool:
-        return await self._run(self.sync.put, key, value, timeout=timeout)
+    async def put(
+        self,
+        key: bytes,
+        value: Any,
+        *,
+        namespace: Namespace | None = None,
+        timeout: float | None = None,
+    ) -> bool:
+        return await self._run(self.sync.put, key, value, namespace=namespace, timeout=timeout)
 
-    async def get(self, key: bytes, *, timeout: float | None = None) -> Any:
-        return await self._run(self.sync.get, key, timeout=timeout)
+    async def get(
+        self, key: bytes, *, namespace: Namespace | None = None, timeout: float | None = None
+    ) -> Any:
+        return await self._run(self.sync.get, key, namespace=namespace, timeout=timeout)
 
-    async def get_into(self, key: bytes, out: Any, *, timeout: float | None = None) -> bool:
-        return await self._run(self.sync.get_into, key, out, timeout=timeout)
+    async def get_into(
+        self,
+        key: bytes,
+        out: Any,
+        *,
+        namespace: Namespace | None = None,
+        timeout: float | None = None,
+    ) -> bool:
+        return await self._run(self.sync.get_into, key, out, namespace=namespace, timeout=timeout)
 
     async def batch_put(
-        self, keys: Sequence[bytes], values: Sequence[Any], *, timeout: float | None = None
+        self,
+        keys: Sequence[bytes],
+        values: Sequence[Any],
+        *,
+        namespace: Namespace | None = None,
+        timeout: float | None = None,
     ) -> list[bool | KVStoreError]:
-        return await self._run(self.sync.batch_put, keys, values, timeout=timeout)
+        return await self._run(
+            self.sync.batch_put, keys, values, namespace=namespace, timeout=timeout
+        )
 
-    async def batch_get(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[Any]:
-        return await self._run(self.sync.batch_get, keys, timeout=timeout)
+    async def batch_get(
+        self,
+        keys: Sequence[bytes],
+        *,
+        namespace: Namespace | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        return await self._run(self.sync.batch_get, keys, namespace=namespace, timeout=timeout)
 
     async def batch_get_into(
-        self, keys: Sequence[bytes], outs: Sequence[Any], *, timeout: float | None = None
+        self,
+        keys: Sequence[bytes],
+        outs: Sequence[Any],
+        *,
+        namespace: Namespace | None = None,
+        timeout: float | None = None,
     ) -> list[bool | KVStoreError]:
-        return await self._run(self.sync.batch_get_into, keys, outs, timeout=timeout)
+        return await self._run(
+            self.sync.batch_get_into, keys, outs, namespace=namespace, timeout=timeout
+        )
 
     async def exists(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[bool]:
         return await self._run(self.sync.exists, keys, timeout=timeout)

@@ -10,6 +10,7 @@ block's KV would change as the prompt grows.
 from __future__ import annotations
 
 import array
+import functools
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -67,8 +68,15 @@ class Namespace:
         )
 
     def fingerprint(self, block_tokens: int | None = None) -> bytes:
-        """16 bytes identifying this namespace; stored in every block header."""
-        return blake2b(_DOMAIN + self.canonical(block_tokens), digest_size=KEY_BYTES).digest()
+        """16 bytes identifying this namespace; stored in every block header.
+
+        Cached: it is checked on every read, and parsing the layout costs microseconds."""
+        return _fingerprint(self, block_tokens)
+
+
+@functools.lru_cache(maxsize=1024)
+def _fingerprint(ns: Namespace, block_tokens: int | None) -> bytes:
+    return blake2b(_DOMAIN + ns.canonical(block_tokens), digest_size=KEY_BYTES).digest()
 
 
 def as_key(key: Any) -> BlockKey:

@@ -18,6 +18,7 @@ import contextlib
 import mmap
 import os
 import secrets
+import sys
 from typing import Any
 
 import numpy as np
@@ -190,6 +191,10 @@ class MemoryTier(Tier):
     # -- lifecycle ---------------------------------------------------------------------
 
     def _pin_host(self) -> None:
+        # Importing torch costs about a second; a host without an NVIDIA device node
+        # cannot use pinned memory, so do not pay for the import there.
+        if not os.path.exists("/dev/nvidiactl") and "torch" not in sys.modules:
+            return
         try:
             import torch
         except ImportError:
