@@ -4,9 +4,9 @@ SmolLM2-135M (fp32, CPU). Both cases run through the same PrefillWorker in the s
 process and run; the anchor is the from-scratch prefill. Reports wall and CPU time
 medians over --runs runs, and the share of the cached TTFT spent fetching blocks.
 
-The store is an in-process StoreNode (``--store node``, DRAM tier) or, when the
-service is installed, a `kvstore serve` process reached through the client SDK
-(``--store server``: shared memory on the same host).
+The store is an in-process StoreNode (``--store node``, DRAM tier) or a
+`kvstore serve` process reached through the client SDK (``--store server``: shared
+memory on the same host).
 
 Usage: python benchmarks/bench_engine.py [--runs 3] [--store node|server] [--json]
 """
@@ -31,14 +31,21 @@ from kvstore.node import StoreNode
 PROMPT, CACHED, B = 2048, 1536, 16
 
 
-def _open_store(kind: str, stack: ExitStack) -> Any:
+def _open_store(kind: str, stack: ExitStack, ad: HFKVAdapter) -> Any:
+    """An in-process node, or a `kvstore serve` child reached through StoreClient."""
     if kind == "node":
         return stack.enter_context(StoreNode(node_id="bench", dram_bytes=512 << 20))
-    from kvstore.client import StoreClient  # type: ignore[attr-defined]
-    from tests.server_fixtures import start_server  # type: ignore[import-not-found]
+    import sys
+    import tempfile
+    from pathlib import Path
 
-    server = stack.enter_context(start_server(dram_bytes=512 << 20))
-    return stack.enter_context(StoreClient.connect(server.address, token=server.token))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, for tests/
+    from tests.server_process import ALPHA, ServerProcess, base_flags
+
+    work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-engine-")))
+    server = ServerProcess(work, {**base_flags(work), "dram_bytes": "512MiB"}).start()
+    stack.callback(server.stop)
+    return stack.enter_context(server.client(ALPHA, namespace=ad.namespace))
 
 
 def main() -> None:
@@ -55,7 +62,7 @@ def main() -> None:
     ad = HFKVAdapter(model, model_id="smollm2-135m", block_tokens=B)
     keys = ad.keys(prompt)
     with ExitStack() as stack:
-        store = _open_store(args.store, stack)
+        store = _open_store(args.store, stack, ad)
         worker = PrefillWorker(ad, store)
         scratch, cached = [], []
         worker.prefill("warm", prompt[: CACHED + 1])  # stores blocks 0..95: the prefix
