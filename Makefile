@@ -1,7 +1,7 @@
 # Two entry points for a newcomer: `make demo` (the main job) and `make test`.
 PY ?= python3
 PIP ?= $(PY) -m pip
-APT_PKGS := etcd-server redis-server
+APT_PKGS := etcd-server redis-server tmux
 
 .PHONY: demo install install-test system-deps lint typecheck test bench proto
 
@@ -15,7 +15,8 @@ demo: install
 	kvstore demo
 
 system-deps:
-	@if command -v etcd >/dev/null 2>&1 && command -v redis-server >/dev/null 2>&1; then \
+	@if command -v etcd >/dev/null 2>&1 && command -v redis-server >/dev/null 2>&1 \
+		&& command -v tmux >/dev/null 2>&1; then \
 		echo "system deps present"; \
 	elif [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT_PKGS) >/dev/null; \

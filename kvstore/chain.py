@@ -20,8 +20,10 @@ Readers therefore never see freed or reused bytes.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
@@ -33,6 +35,7 @@ from kvstore.errors import BlockTooLarge, CapacityError, CorruptBlock, KVStoreEr
 from kvstore.events import BlockMoved, BlockRemoved, BlockStored, EventQueue
 from kvstore.keys import BlockKey
 from kvstore.policy import EvictionPolicy, make_policy
+from kvstore.selection import BlockFilter, EvictResult
 from kvstore.stats import NodeCounters
 from kvstore.tiers.base import Tier, TierKind
 from kvstore.tiers.disk import DiskTier
@@ -59,6 +62,7 @@ class _Entry:
     state: _State = _State.READY
     gone: bool = False  # removed from the index while pinned
     stale: list[tuple[int, int]] = field(default_factory=list)  # (level, offset) to free
+    used_at: float = 0.0  # time.monotonic() of the last store or hit (admin --older-than)
 
 
 class TierChain:
@@ -83,9 +87,10 @@ class TierChain:
         level = len(self.tiers) - 1
         disk = self.tiers[level]
         assert isinstance(disk, DiskTier)
+        now = time.monotonic()
         for key, header in disk.scan():
             size = header.total_len
-            self.index[key] = _Entry(key, level, -1, size, header)
+            self.index[key] = _Entry(key, level, -1, size, header, used_at=now)
             self.policies[level].insert(key, size)
             self.events.put(BlockStored(key, TierKind.SSD, size, header.namespace_fp))
 
@@ -103,6 +108,7 @@ class TierChain:
                 self.counters.inc("misses")
                 return None
             e.pins += 1
+            e.used_at = time.monotonic()
             self.policies[e.level].touch(key)
             self.counters.inc(f"hits_{self.tiers[e.level].kind.value}")
             return e, e.level, e.offset
@@ -284,31 +290,116 @@ class TierChain:
     def evict(self, tier: TierKind, target_bytes: int) -> int:
         """Demote (or drop, from the last tier) blocks until ``tier`` uses at most
         ``target_bytes``; pinned blocks are skipped. Returns how many blocks went."""
+        return self.evict_where(tier, target_bytes).moved
+
+    def evict_where(
+        self,
+        tier: TierKind,
+        target_bytes: int,
+        flt: BlockFilter | None = None,
+        *,
+        dry_run: bool = False,
+        list_limit: int = 0,
+    ) -> EvictResult:
+        """Evict blocks ``flt`` accepts, in the tier's eviction order, until the tier
+        uses at most ``target_bytes`` or no candidate is left.
+
+        Memory tiers demote to the next tier, the last tier drops. Pinned (or moving)
+        candidates are never taken; they are counted in ``skipped_pinned``. A dry run
+        plans under the lock and changes nothing. The plan is made under the lock and
+        carried out one block at a time (each re-checked, demotion I/O outside the
+        lock), in rounds, because writers may fill the tier meanwhile.
+        """
+        flt = flt or BlockFilter()
         level = [t.kind for t in self.tiers].index(tier)
-        moved = 0
-        while True:
+        demotes = isinstance(self.tiers[level], MemoryTier) and level + 1 < len(self.tiers)
+        res = EvictResult(tier.value, self.tiers[level].capacity, self.tiers[level].used)
+        res.dry_run = dry_run
+        res.next_tier = self.tiers[level + 1].kind.value if demotes else ""
+        skipped: set[bytes] = set()
+        for _round in range(64):
             with self.lock:
-                if self.tiers[level].used <= target_bytes:
-                    return moved
-                key = self.policies[level].pop_victim(self._busy)
-                if key is None:
-                    return moved
-                e = self.index[key]  # type: ignore[index]
-                if isinstance(self.tiers[level], MemoryTier) and level + 1 < len(self.tiers):
-                    e.state, e.pins = _State.MOVING, e.pins + 1
-                else:
-                    self.counters.inc(f"evictions_{tier.value}")
-                    self.drop_locked(e)
-                    moved += 1
-                    continue
-            self._demote(e)
-            moved += 1
+                plan, projected = self._plan_locked(level, target_bytes, flt, skipped)
+            res.blocks.extend(plan[: max(list_limit - len(res.blocks), 0)])
+            if dry_run:
+                res.used_after = projected
+                res.nbytes = sum(size for _, size in plan)
+                res.demoted, res.dropped = (len(plan), 0) if demotes else (0, len(plan))
+                break
+            if not any([self._evict_one(level, k, target_bytes, res, skipped) for k, _ in plan]):
+                break
+        res.skipped_pinned = len(skipped)
+        if not dry_run:
+            res.used_after = self.tiers[level].used
+        return res
+
+    def _plan_locked(
+        self, level: int, target: int, flt: BlockFilter, skipped: set[bytes]
+    ) -> tuple[list[tuple[bytes, int]], int]:
+        """Candidates (key, size) in eviction order until the projected use reaches
+        ``target``, and that projected use."""
+        projected = self.tiers[level].used
+        plan: list[tuple[bytes, int]] = []
+        now = time.monotonic()
+        for key in self.policies[level]:
+            if projected <= target:
+                break
+            e = self.index.get(key)  # type: ignore[call-overload]
+            if e is None or e.level != level:
+                continue
+            if not flt.matches(e.key, e.header.namespace_fp, e.used_at, now):
+                continue
+            if e.pins > 0 or e.state is not _State.READY:
+                skipped.add(e.key)
+                continue
+            plan.append((e.key, e.size))
+            projected -= e.size
+        return plan, max(projected, 0)
+
+    def _evict_one(
+        self, level: int, key: bytes, target: int, res: EvictResult, skipped: set[bytes]
+    ) -> bool:
+        """Demote or drop one planned block; False when the target is met or it is gone."""
+        tier = self.tiers[level]
+        with self.lock:
+            if tier.used <= target:
+                return False
+            e = self.index.get(key)
+            if e is None or e.level != level:
+                return False  # removed or moved since the plan
+            if e.pins > 0 or e.state is not _State.READY:
+                skipped.add(key)
+                return False
+            self.policies[level].remove(key)
+            res.nbytes += e.size
+            if not res.next_tier:
+                self.counters.inc(f"evictions_{tier.kind.value}")
+                self.drop_locked(e)
+                res.dropped += 1
+                return True
+            e.state, e.pins = _State.MOVING, e.pins + 1
+        self._demote(e)
+        res.demoted += 1
+        return True
+
+    def scan(
+        self, limit: int, tier: TierKind | None = None
+    ) -> list[tuple[BlockKey, TierKind, int]]:
+        """Up to ``limit`` blocks as (key, tier, size), oldest stored first (dict order):
+        cheap per call, so a drain that removes what it moved can page through a node."""
+        with self.lock:
+            rows = (
+                (BlockKey(k), self.tiers[e.level].kind, e.size)
+                for k, e in self.index.items()
+                if tier is None or self.tiers[e.level].kind is tier
+            )
+            return list(itertools.islice(rows, limit))
 
     # -- queries ---------------------------------------------------------------------------
 
     def insert_locked(self, key: bytes, level: int, offset: int, size: int, h: BlockHeader) -> None:
         """Make a committed block visible (caller holds the lock, key not present)."""
-        self.index[key] = _Entry(key, level, offset, size, h)
+        self.index[key] = _Entry(key, level, offset, size, h, used_at=time.monotonic())
         self.policies[level].insert(key, size)
         self.events.put(BlockStored(key, self.tiers[level].kind, size, h.namespace_fp))
 

@@ -23,11 +23,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     from engine import demo_cli, plan
-    from kvstore import server
+    from kvstore import admin, server
+    from kvstore import cluster_cli as cluster
 
     demo_cli.add_parser(sub)
     server.add_parser(sub)
+    cluster.add_parser(sub)
     plan.add_parser(sub)
+    admin.add_parser(sub)
     return parser
 
 

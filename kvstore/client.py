@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from enum import Enum
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from google.protobuf.json_format import MessageToDict
 
@@ -48,6 +48,9 @@ from kvstore.transport.conn import DataConn
 from kvstore.transport.control import ControlChannel
 from kvstore.transport.frames import Op
 from kvstore.transport.pool import ConnPool
+
+if TYPE_CHECKING:
+    from kvstore.cluster_client import ClusterClient
 
 __all__ = ["AsyncStoreClient", "StoreClient"]
 
@@ -125,6 +128,19 @@ class StoreClient:
     def connect(cls, address: str, **kwargs: Any) -> StoreClient:
         """An open client (same arguments as the constructor)."""
         return cls(address, **kwargs).open()
+
+    @classmethod
+    def from_etcd(
+        cls, endpoint: str = "127.0.0.1:2379", *, cluster: str = "default", **kwargs: Any
+    ) -> ClusterClient:
+        """An open client of a whole cluster, found through its etcd directory: puts go
+        to one chosen node (a local one first), gets to the nearest replica with
+        fallback to the next. Same methods as this class; see kvstore/cluster_client.py.
+        Keyword arguments: those of the constructor, plus ``node_id`` (the node to write
+        to while it lives)."""
+        from kvstore.cluster_client import ClusterClient
+
+        return ClusterClient(endpoint, cluster, **kwargs).open()
 
     def open(self) -> StoreClient:
         """Reach the server (Info over gRPC) and set up the data-socket pool.
@@ -315,6 +331,12 @@ class StoreClient:
     def drain(self, draining: bool = True, *, timeout: float | None = None) -> bool:
         """Admin: make the server refuse new writes (or accept them again)."""
         return bool(self._rpc("Drain", pb.DrainRequest(draining=draining), timeout).draining)
+
+    def control(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
+        """One control-plane RPC by name (``"Scan"``, ``pb.ScanRequest(...)``), with this
+        client's retries and deadline: the seam admin tooling (kvstore/admin_client.py)
+        builds on without the data-path API growing admin calls."""
+        return self._rpc(method, request, timeout)
 
     # -- machinery ----------------------------------------------------------------------
 

@@ -20,8 +20,10 @@ from kvstore.policy import POLICIES
 __all__ = [
     "ENV_PREFIX",
     "ClientConfig",
+    "ClusterConfig",
     "NodeConfig",
     "ServerConfig",
+    "child_env",
     "load_layered",
     "parse_size",
     "read_config_file",
@@ -174,6 +176,16 @@ class ServerConfig:
             closes and its reservation is aborted).
         workers: threads running blocking node calls for gRPC handlers.
         max_connections: concurrent data sockets.
+        etcd: ``host:port`` of the cluster directory; empty runs the node standalone.
+        cluster: the cluster's name in the directory (1-64 of ``[A-Za-z0-9._-]``).
+        node_lease_ttl_s: lifetime of the node's directory lease without a keepalive:
+            how long a crashed node's entries outlive it (etcd's minimum is 2).
+        advertise_host: the host other machines reach this node at, as registered in
+            the directory (default: ``host``, or this machine's FQDN when binding a
+            wildcard address).
+        metrics_host: address the Prometheus endpoint binds (loopback by default: it
+            names tenants).
+        metrics_port: port of ``/metrics``; -1 serves none, 0 picks a free one.
     """
 
     host: str = "127.0.0.1"
@@ -191,16 +203,32 @@ class ServerConfig:
     io_timeout_s: float = 30.0
     workers: int = 8
     max_connections: int = 256
+    etcd: str = ""
+    cluster: str = "default"
+    node_lease_ttl_s: float = 10.0
+    advertise_host: str = ""
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = -1
 
     def __post_init__(self) -> None:
         if not self.host or any(c.isspace() for c in self.host):
             raise ConfigError(f"host {self.host!r}: give an address to bind, e.g. 127.0.0.1")
+        _check_cluster(self.etcd, self.cluster, allow_standalone=True)
+        _positive(self, "node_lease_ttl_s")
+        if any(c.isspace() or c == "/" for c in self.advertise_host):
+            raise ConfigError(f"advertise_host {self.advertise_host!r}: give a host name or IP")
         for name in ("port", "data_port"):
             v = getattr(self, name)
             if not 0 <= v <= 65535:
                 raise ConfigError(f"{name}: {v} is not a TCP port (0-65535)")
         if self.port and self.port == self.data_port:
             raise ConfigError(f"data_port: must differ from port ({self.port})")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port: {self.metrics_port} is not -1 (off) or a TCP port")
+        if self.metrics_port > 0 and self.metrics_port in (self.port, self.data_port):
+            raise ConfigError("metrics_port: must differ from port and data_port")
+        if not self.metrics_host or any(c.isspace() for c in self.metrics_host):
+            raise ConfigError(f"metrics_host {self.metrics_host!r}: give an address to bind")
         if not (self.auth_token or self.tokens_file or self.allow_anonymous):
             raise ConfigError(
                 "auth: set auth_token or tokens_file (allow_anonymous=true only for local tests)"
@@ -280,6 +308,44 @@ class ClientConfig:
     def load(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> ClientConfig:
         """Defaults, then ``KVSTORE_<FIELD>`` variables, then explicit overrides."""
         return load_layered(cls, env=env, flags=overrides)
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """Where a cluster's directory lives, for the commands that read it (``kvstore
+    nodes``, ``kvstore ls``) and for ``kvstore up --etcd``.
+
+    Attributes:
+        etcd: ``host:port`` of an etcd member (``KVSTORE_ETCD``).
+        cluster: the cluster's name (``KVSTORE_CLUSTER``).
+    """
+
+    etcd: str = "127.0.0.1:2379"
+    cluster: str = "default"
+
+    def __post_init__(self) -> None:
+        _check_cluster(self.etcd, self.cluster, allow_standalone=False)
+
+
+_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def _check_cluster(etcd: str, cluster: str, *, allow_standalone: bool) -> None:
+    if etcd or not allow_standalone:
+        host, sep, port = etcd.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"etcd {etcd!r}: expected host:port, e.g. 127.0.0.1:2379")
+    if not _NAME.fullmatch(cluster):
+        raise ConfigError(f"cluster {cluster!r}: use 1-64 of [A-Za-z0-9._-]")
+
+
+def child_env(settings: Mapping[str, Any], base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a child ``kvstore`` process: this one's (or ``base``) plus
+    ``settings`` as ``KVSTORE_<NAME>`` variables. How ``kvstore up`` hands a secret
+    to its nodes without putting it on a command line (flags show up in ``ps``)."""
+    env = dict(os.environ if base is None else base)
+    env.update({ENV_PREFIX + k.upper(): str(v) for k, v in settings.items()})
+    return env
 
 
 def _positive(obj: Any, *names: str) -> None:

@@ -10,7 +10,10 @@ knows a wire format. That keeps the rules in one place:
 - batch size and value size are checked before any byte moves;
 - shared-memory grants are leases (kvstore/leases.py), ended by release, by their data
   connection closing, or by expiry;
-- while draining, writes are refused and reads keep working.
+- while draining, writes are refused and reads keep working;
+- the service's half of the counter contract (kvstore/metrics_names.py) is kept here:
+  bytes per transport path, per-tenant hits, misses and puts; the node never sees a
+  tenant, so nothing below this layer can count them.
 
 Methods are blocking (node calls may do SSD I/O) and thread-safe; callers on an event
 loop run them in a thread pool.
@@ -42,7 +45,7 @@ from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
 from kvstore.leases import Lease, LeaseKind, LeaseTable
 from kvstore.node import BlockRead, Reservation, StoreNode
-from kvstore.stats import NodeCounters
+from kvstore.stats import NodeCounters, split_key
 from kvstore.tiers.base import TierKind
 
 __all__ = ["Gateway", "ReadItem", "fill_target"]
@@ -114,6 +117,10 @@ class Gateway:
         self.draining = False
         self._ns: dict[tuple[str, str, str], Namespace] = {}
         self._ns_lock = threading.Lock()
+        # Namespace fingerprint -> (tenant, model) of every scope seen in a request since
+        # start (guarded by _ns_lock; one entry per namespace, not per block): how an
+        # admin eviction by tenant or model finds blocks the node knows by fingerprint.
+        self.fingerprints: dict[bytes, tuple[str, str]] = {}
 
     def close(self) -> None:
         """End every lease (pins and reservations go back to the node)."""
@@ -148,7 +155,47 @@ class Gateway:
                 if len(self._ns) > 4096:
                     self._ns.clear()
                 self._ns[key] = ns
+                self.fingerprints.setdefault(ns.fingerprint(), (p.tenant, model))
         return ns
+
+    def fingerprints_of(self, tenant: str = "", model: str = "") -> frozenset[bytes]:
+        """Fingerprints of the namespaces seen for a tenant and/or model ("" any)."""
+        with self._ns_lock:
+            return frozenset(
+                fp
+                for fp, (t, m) in self.fingerprints.items()
+                if (not tenant or t == tenant) and (not model or m == model)
+            )
+
+    # -- accounting (the service's counters, kvstore/metrics_names.py) --------------------
+
+    def count_reads(self, p: Principal, reads: Sequence[ReadItem]) -> None:
+        """Per-tenant hits (by the tier the read found) and misses of one request."""
+        tally: dict[str, int] = {}
+        for r in reads:
+            if isinstance(r, BlockRead):
+                name = f"hits_{(r.hit or r.tier).value}"
+            elif r is None:
+                name = "misses"
+            else:
+                continue  # a failed key is neither
+            tally[name] = tally.get(name, 0) + 1
+        for name, n in tally.items():
+            self.counters.inc(name, n, tenant=p.tenant)
+
+    def count_out(self, p: Principal, path: str, nbytes: int) -> None:
+        """Payload bytes handed to a reader over ``path`` (shm, tcp, grpc)."""
+        if nbytes:
+            self.counters.inc(f"bytes_out_{path}", nbytes)
+            self.counters.inc(f"bytes_out_{path}", nbytes, tenant=p.tenant)
+
+    def count_put(self, p: Principal, path: str, nbytes: int) -> None:
+        """A committed put of ``nbytes`` payload bytes over ``path``."""
+        c, t = self.counters, p.tenant
+        c.inc(f"bytes_in_{path}", nbytes)
+        c.inc(f"bytes_in_{path}", nbytes, tenant=t)
+        c.inc("puts", tenant=t)
+        c.inc("bytes_in", nbytes, tenant=t)
 
     def _writable(self) -> None:
         if self.draining:
@@ -196,6 +243,7 @@ class Gateway:
         except BaseException:
             self.close_reads(out)
             raise
+        self.count_reads(p, out)
         return out
 
     def close_reads(self, reads: Sequence[ReadItem]) -> None:
@@ -241,13 +289,17 @@ class Gateway:
             return None
         return self.node.reserve(scoped, info, namespace=ns)
 
-    def commit(self, res: Reservation, checksum: int) -> bool:
-        """Phase two: the node verifies the payload's xxh3 against the writer's."""
+    def commit(self, p: Principal, res: Reservation, checksum: int, path: str) -> bool:
+        """Phase two: the node verifies the payload's xxh3 against the writer's; a
+        stored block is counted for ``p`` on ``path``."""
         try:
-            return self.node.commit(res, expected_checksum=checksum)
+            stored = self.node.commit(res, expected_checksum=checksum)
         except KVStoreError:
             self.counters.inc("rejected_commits")
             raise
+        if stored:
+            self.count_put(p, path, res.info.nbytes)
+        return stored
 
     def abort(self, res: Reservation) -> None:
         """Drop a reservation and free its space."""
@@ -269,7 +321,7 @@ class Gateway:
         lease = self.leases.take(lease_id, p.tenant, LeaseKind.WRITE)
         if lease is None:
             raise ReservationError("reservation lease expired or unknown; write it again")
-        return self.commit(lease.obj, checksum)
+        return self.commit(p, lease.obj, checksum, "shm")
 
     def abort_leased(self, p: Principal, lease_ids: Sequence[int]) -> tuple[int, int]:
         """Abort same-host writes; returns (aborted, expired or unknown)."""
@@ -303,7 +355,7 @@ class Gateway:
         except BaseException:
             self.abort(res)
             raise
-        return self.commit(res, checksum)
+        return self.commit(p, res, checksum, "grpc")
 
     def _end_lease(self, lease: Lease) -> None:
         if lease.kind is LeaseKind.READ:
@@ -314,24 +366,28 @@ class Gateway:
     # -- admin -------------------------------------------------------------------------
 
     def stats(self, p: Principal) -> tuple[dict[str, Any], dict[str, int]]:
-        """Node stats and server counters (any authenticated caller: no keys in them)."""
+        """Node stats and server counters (any authenticated caller: no keys in them).
+
+        Per-tenant counters name tenants, so a non-admin caller sees only its own."""
         server = self.counters.snapshot()
+        if not p.admin:
+            server = {k: v for k, v in server.items() if split_key(k)[1] in (None, p.tenant)}
         server.update({name: fn() for name, fn in self.gauges.items()})
         server["leases"] = len(self.leases)
         server["leases_expired"] = self.leases.expired
         server["draining"] = int(self.draining)
         return self.node.stats(), server
 
-    def evict(self, p: Principal, tier: str, target_bytes: int) -> int:
-        """Admin: demote or drop blocks until ``tier`` holds at most ``target_bytes``."""
-        p.require_admin("evict")
+    def tier(self, name: str) -> TierKind:
+        """This node's tier called ``name``; InvalidValue naming the tiers it has."""
         try:
-            kind = TierKind(tier)
+            kind = TierKind(name)
         except ValueError:
-            raise InvalidValue(f"unknown tier {tier!r}; this node has {self.node.tiers}") from None
-        if kind not in self.node.tiers:
-            raise InvalidValue(f"this node has no {tier} tier")
-        return self.node.evict(kind, target_bytes)
+            kind = None
+        if kind is None or kind not in self.node.tiers:
+            have = ", ".join(t.value for t in self.node.tiers)
+            raise InvalidValue(f"this node has no {name!r} tier (it has {have})")
+        return kind
 
     def drain(self, p: Principal, draining: bool) -> bool:
         """Admin: refuse (or accept again) new writes."""

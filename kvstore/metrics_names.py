@@ -41,6 +41,20 @@ kvstore/node.py). The service (gateway, data server, servicer) counts, in its ow
 - latency: one ``counters.observe(op, path, seconds)`` (or ``with counters.time(...)``)
   per get/put request, ``op`` in get/put, ``path`` in shm/tcp/grpc.
 
+As implemented (kvstore/gateway.py, service.py, transport/dataserver.py): ``tcp`` is a
+payload carried on the data socket (over TCP or the same-host Unix socket alike),
+``shm`` an extent handed over under a lease (LEASE / OpenRead reads, Reserve + Commit
+writes), ``grpc`` an inline gRPC Get/Put payload; a LEASE reply's blocks that are not
+in DRAM travel inline and count as ``tcp`` (``grpc`` for OpenRead). Per-tenant hits
+count the tier the read found the block in (``BlockRead.hit``: an SSD hit is ``ssd``
+even when promoted); per-tenant misses include namespace mismatches and unreadable SSD
+records, so a tenant's hits + misses are its lookups. Latency: data-socket GET/PUT are
+(get|put, tcp), LEASE is (get, shm), COMMIT is (put, shm) (Reserve is not timed),
+gRPC Get/Put are (get|put, grpc) and OpenRead/Commit (get|put, shm); a data-socket
+observation includes sending the reply. Admin moves count ``exported_blocks``,
+``imported_blocks`` and ``purged_blocks`` (``kvstore_counter_total``); an export reads
+through the node, so it also counts as a node hit.
+
 The node's bare ``bytes_out`` is its in-process get/get_into, i.e. the ``inproc``
 series; nothing should also count ``bytes_out_inproc`` for those bytes. In-process puts
 would be ``bytes_in_inproc`` (StoreNode.put does not count it yet).

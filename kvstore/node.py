@@ -31,11 +31,13 @@ from kvstore.errors import (
     BlockTooLarge,
     ClosedError,
     CorruptBlock,
+    InvalidValue,
     KVStoreError,
     ReservationError,
 )
 from kvstore.events import BlockEvent, EventQueue
 from kvstore.keys import BlockKey, Namespace, as_key
+from kvstore.selection import BlockFilter, EvictResult
 from kvstore.stats import NodeCounters
 from kvstore.tiers.base import TierKind
 from kvstore.tiers.disk import DiskTier
@@ -72,6 +74,8 @@ class BlockRead:
     ``offset`` is the block's extent in its memory tier's slab (the payload starts
     ``HEADER_SIZE`` bytes later), which is what a same-host client maps; it is -1
     when the payload is a private buffer (an SSD read that could not be promoted).
+    ``hit`` is the tier the read found it in (an SSD hit promoted to DRAM has
+    ``tier`` DRAM and ``hit`` SSD): what per-tenant hit counters count.
     """
 
     header: BlockHeader
@@ -80,6 +84,7 @@ class BlockRead:
     offset: int
     _entry: _Entry = field(repr=False)
     _closed: bool = field(default=False, repr=False)
+    hit: TierKind | None = None
 
 
 class StoreNode:
@@ -153,12 +158,19 @@ class StoreNode:
     # -- writes ----------------------------------------------------------------------------
 
     def reserve(
-        self, key: bytes, value_info: ValueInfo, *, namespace: Namespace | None = None
+        self,
+        key: bytes,
+        value_info: ValueInfo,
+        *,
+        namespace: Namespace | None = None,
+        namespace_fp: bytes | None = None,
     ) -> Reservation:
         """Phase one of a put: reserve space in the top tier, evicting if needed.
 
         Raises BlockTooLarge if the block can never fit, CapacityError if every
         candidate is pinned. The block stays invisible until :meth:`commit`.
+        ``namespace_fp`` (without ``namespace``) stores a block moved from another node
+        under the fingerprint it was written with (no layout check: that was done then).
         """
         self._check_open()
         k = as_key(key)
@@ -167,7 +179,9 @@ class StoreNode:
                 f"block of {value_info.nbytes} bytes exceeds max_value_bytes "
                 f"{self.config.max_value_bytes}"
             )
-        nsfp = _ZERO_NS
+        nsfp = _ZERO_NS if namespace_fp is None else namespace_fp
+        if len(nsfp) != len(_ZERO_NS):
+            raise InvalidValue(f"namespace_fp is {len(nsfp)} bytes, expected {len(_ZERO_NS)}")
         if namespace is not None:
             value_info.check_layout(namespace.kv_layout)
             nsfp = namespace.fingerprint()
@@ -278,7 +292,7 @@ class StoreNode:
             tier = self._tiers[level]
             if isinstance(tier, MemoryTier):
                 payload = tier.payload(offset, entry.header.payload_len)
-                return BlockRead(entry.header, payload, tier.kind, offset, entry)
+                return BlockRead(entry.header, payload, tier.kind, offset, entry, hit=tier.kind)
             read = self._chain.read_disk(entry, level)
         except BaseException:
             self._chain.release(entry)
@@ -288,7 +302,7 @@ class StoreNode:
             return None
         payload, offset = read
         kind = self._tiers[0].kind if offset >= 0 else TierKind.SSD
-        return BlockRead(entry.header, payload, kind, offset, entry)
+        return BlockRead(entry.header, payload, kind, offset, entry, hit=TierKind.SSD)
 
     def close_read(self, blk: BlockRead) -> None:
         """Unpin a block from :meth:`open_read`; closing twice is harmless."""
@@ -387,6 +401,30 @@ class StoreNode:
         """Demote (or drop, from the last tier) blocks until ``tier`` uses at most
         ``target_bytes``; pinned blocks are skipped. Returns how many blocks went."""
         return self._chain.evict(tier, target_bytes)
+
+    def evict_where(
+        self,
+        tier: TierKind,
+        target_bytes: int,
+        flt: BlockFilter | None = None,
+        *,
+        dry_run: bool = False,
+        list_limit: int = 0,
+    ) -> EvictResult:
+        """Evict the blocks ``flt`` accepts until ``tier`` uses at most ``target_bytes``
+        (admin ``kvstore evict``); pinned blocks are skipped and counted. ``dry_run``
+        reports what would go and moves nothing. See TierChain.evict_where."""
+        self._check_open()
+        return self._chain.evict_where(
+            tier, target_bytes, flt, dry_run=dry_run, list_limit=list_limit
+        )
+
+    def scan(
+        self, limit: int, tier: TierKind | None = None
+    ) -> list[tuple[BlockKey, TierKind, int]]:
+        """Up to ``limit`` stored blocks as (key, tier, size), cheaply: what a drain
+        pages through while it removes what it moved."""
+        return self._chain.scan(limit, tier)
 
     def keys(self, tier: TierKind | None = None) -> list[BlockKey]:
         """Stored keys, optionally of one tier (a snapshot)."""

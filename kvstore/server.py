@@ -32,6 +32,7 @@ from kvstore.auth import Principal, TokenTable
 from kvstore.config import NodeConfig, ServerConfig, load_layered, read_config_file
 from kvstore.errors import ConfigError
 from kvstore.gateway import Gateway
+from kvstore.membership import Membership, node_record
 from kvstore.node import StoreNode
 from kvstore.service import StoreServicer
 from kvstore.transport.dataserver import DataServer
@@ -53,11 +54,14 @@ class StoreServer:
         self.instance_id = secrets.token_hex(8)
         self.port = 0
         self.data_port = 0
+        self.metrics_port = -1  # the bound /metrics port once started; -1: none
+        self._metrics: Any = None  # kvstore.metrics.MetricsServer when metrics_port >= 0
         self.node: StoreNode | None = None
         self._shm_size = 0
         self._grpc: grpc.aio.Server | None = None
         self._data: DataServer | None = None
         self._gateway: Gateway | None = None
+        self.membership: Membership | None = None
         self._pool = ThreadPoolExecutor(config.workers, thread_name_prefix="kvstore-rpc")
         self._tls = _tls_context(config)
 
@@ -76,6 +80,8 @@ class StoreServer:
             pb_grpc.add_StoreServicer_to_server(servicer, self._grpc)
             self.port = self._bind_grpc()
             await self._grpc.start()
+            self._start_metrics(gw)
+            await self._join()
         except BaseException:
             await self.stop()
             raise
@@ -86,6 +92,29 @@ class StoreServer:
             self.port,
             self.data_port,
         )
+
+    async def _join(self) -> None:
+        """Register in the cluster directory (``--etcd``), or just drain node events."""
+        assert self.node is not None
+        info = node_record(self.node, self.config, self.port, self.data_port, self.instance_id)
+        self.membership = Membership(self.node, self.config, info)
+        await self.membership.start()
+
+    def _start_metrics(self, gw: Gateway) -> None:
+        """Serve Prometheus ``/metrics`` (``metrics_port`` >= 0): node + gateway books."""
+        c = self.config
+        if c.metrics_port < 0:
+            return
+        try:
+            from kvstore.metrics import MetricsServer, node_registry
+        except ImportError:
+            raise ConfigError(
+                "metrics_port: needs prometheus-client (pip install 'kvstore[metrics]')"
+            ) from None
+        assert self.node is not None
+        registry = node_registry(self.node, counters=[gw.counters], gauges=gw.gauges)
+        self._metrics = MetricsServer(registry, host=c.metrics_host, port=c.metrics_port)
+        self.metrics_port = self._metrics.start().port
 
     def _bind_grpc(self) -> int:
         assert self._grpc is not None
@@ -132,7 +161,14 @@ class StoreServer:
         )
 
     async def stop(self, grace: float = 1.0) -> None:
-        """Stop listening, end connections and leases, close the node; idempotent."""
+        """Leave the cluster, stop listening, end connections and leases, close the
+        node; idempotent."""
+        if self.membership is not None:
+            await self.membership.stop()
+            self.membership = None
+        if self._metrics is not None:
+            self._metrics.stop()
+            self._metrics = None
         if self._grpc is not None:
             await self._grpc.stop(grace)
             self._grpc = None
@@ -207,6 +243,12 @@ _SERVER_FLAGS = {
     "lease_ttl_s": "lifetime of a shared-memory lease, seconds",
     "io_timeout_s": "a started frame must finish within this, seconds",
     "workers": "threads for blocking node calls",
+    "etcd": "HOST:PORT of the cluster directory (default: standalone)",
+    "cluster": "cluster name in the directory (default 'default')",
+    "node_lease_ttl_s": "directory lease of this node, seconds (default 10)",
+    "advertise_host": "host other nodes and clients dial (default: --host)",
+    "metrics_host": "address of the Prometheus endpoint (default 127.0.0.1)",
+    "metrics_port": "Prometheus /metrics port (default -1: off; 0 picks one)",
 }
 
 
@@ -264,13 +306,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             "node_id": s.node.node_id,
             "tls": cfg.tls,
             "pid": os.getpid(),
+            "cluster": cfg.cluster if cfg.etcd else None,
+            "address": s.membership.info.address if s.membership else None,
+            "metrics_port": s.metrics_port if s.metrics_port >= 0 else None,
         }
         if args.json:
             print(json.dumps(facts), flush=True)
         else:
             print(
                 f"kvstore serve: node {facts['node_id']} on {cfg.host}:{s.port} "
-                f"(data port {s.data_port}, tls {'on' if cfg.tls else 'off'})",
+                f"(data port {s.data_port}, tls {'on' if cfg.tls else 'off'}"
+                + (f", metrics port {s.metrics_port})" if s.metrics_port >= 0 else ")"),
                 flush=True,
             )
 

@@ -7,6 +7,10 @@ that may copy payload bytes or touch the SSD tier runs in the thread pool, so on
 disk read never stalls other clients' control calls. Store errors leave through
 ``grpc_errors.abort`` (status + stable code); anything else is logged and sent as an
 internal error without its details.
+
+Counting (kvstore/metrics_names.py): payload bytes by path (``grpc`` inline, ``shm``
+for leased reads and Reserve/Commit writes) and one latency observation per Get,
+OpenRead, Put and Commit, timed around the handler's work in the pool.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from kvstore._proto import store_pb2_grpc as pb_grpc
 from kvstore.auth import Principal, TokenTable
 from kvstore.errors import KVStoreError, LimitExceeded
 from kvstore.gateway import Gateway
+from kvstore.maintenance import EvictSpec, ImportItem, Maintenance
 from kvstore.node import BlockRead
 from kvstore.tiers.base import TierKind
 from kvstore.transport import grpc_errors
@@ -69,6 +74,7 @@ class StoreServicer(pb_grpc.StoreServicer):
         pool: ThreadPoolExecutor,
     ) -> None:
         self.gw = gateway
+        self.admin = Maintenance(gateway)
         self.tokens = tokens
         self.info = info
         self.pool = pool
@@ -112,6 +118,10 @@ class StoreServicer(pb_grpc.StoreServicer):
 
     def _get(self, p: Principal, req: pb.GetRequest, lease: bool) -> pb.GetResponse:
         """Get (payloads inline) or OpenRead (DRAM hits leased, the rest inline)."""
+        with self.gw.counters.time("get", "shm" if lease else "grpc"):
+            return self._get_timed(p, req, lease)
+
+    def _get_timed(self, p: Principal, req: pb.GetRequest, lease: bool) -> pb.GetResponse:
         ns = self.gw.namespace(p, req.scope.model, req.scope.layout)
         reads = self.gw.open_reads(p, req.keys, ns)
         leased: dict[int, int] = {}  # id(read) -> lease id
@@ -119,6 +129,7 @@ class StoreServicer(pb_grpc.StoreServicer):
         resp.server_now_ns = time.monotonic_ns() if lease else 0
         try:
             budget = self.gw.config.max_inline_bytes
+            shm_bytes = 0
             for r in reads:
                 ref = resp.blocks.add(offset=-1)
                 if isinstance(r, KVStoreError):
@@ -132,6 +143,7 @@ class StoreServicer(pb_grpc.StoreServicer):
                     leased[id(r)] = ref.lease_id = granted.id
                     ref.offset = r.offset
                     resp.lease_expires_ns = resp.lease_expires_ns or granted.expires_ns
+                    shm_bytes += r.header.payload_len
                     continue
                 budget -= r.header.payload_len
                 if budget < 0:
@@ -140,6 +152,8 @@ class StoreServicer(pb_grpc.StoreServicer):
                         f"{self.gw.config.max_inline_bytes}; fetch them over the data socket"
                     )
                 ref.payload = _payload_bytes(r)
+            self.gw.count_out(p, "shm", shm_bytes)
+            self.gw.count_out(p, "grpc", self.gw.config.max_inline_bytes - budget)
             return resp
         except BaseException:
             self.gw.release_reads(p, list(leased.values()))
@@ -163,6 +177,10 @@ class StoreServicer(pb_grpc.StoreServicer):
         return await self._run(self._put, p, req)
 
     def _put(self, p: Principal, req: pb.PutRequest) -> pb.PutResponse:
+        with self.gw.counters.time("put", "grpc"):
+            return self._put_timed(p, req)
+
+    def _put_timed(self, p: Principal, req: pb.PutRequest) -> pb.PutResponse:
         self.gw.check_batch(len(req.items))
         ns = self.gw.namespace(p, req.scope.model, req.scope.layout)
         resp = pb.PutResponse()
@@ -202,12 +220,13 @@ class StoreServicer(pb_grpc.StoreServicer):
     def _commit(self, p: Principal, req: pb.CommitRequest) -> pb.PutResponse:
         self.gw.check_batch(len(req.items))
         resp = pb.PutResponse()
-        for item in req.items:
-            out = resp.results.add()
-            try:
-                out.stored = self.gw.commit_leased(p, item.lease_id, item.checksum)
-            except KVStoreError as exc:
-                out.error.CopyFrom(status_of(exc))
+        with self.gw.counters.time("put", "shm"):
+            for item in req.items:
+                out = resp.results.add()
+                try:
+                    out.stored = self.gw.commit_leased(p, item.lease_id, item.checksum)
+                except KVStoreError as exc:
+                    out.error.CopyFrom(status_of(exc))
         return resp
 
     @_rpc()
@@ -222,12 +241,79 @@ class StoreServicer(pb_grpc.StoreServicer):
 
     @_rpc(admin="evict")
     async def Evict(self, p: Principal, req: pb.EvictRequest) -> pb.EvictResponse:
-        moved = await self._run(self.gw.evict, p, req.tier, req.target_bytes)
-        return pb.EvictResponse(moved=moved)
+        spec = EvictSpec(
+            req.tier,
+            req.target_bytes,
+            req.tenant,
+            req.model,
+            req.key_prefix,
+            req.idle_s,
+            req.dry_run,
+            min(req.list_limit, self.gw.config.max_batch),
+        )
+        r = await self._run(self.admin.evict, p, spec)
+        resp = pb.EvictResponse(
+            moved=r.moved,
+            skipped_pinned=r.skipped_pinned,
+            bytes=r.nbytes,
+            demoted=r.demoted,
+            dropped=r.dropped,
+            used_before=r.used_before,
+            used_after=r.used_after,
+            capacity=r.capacity,
+            dry_run=r.dry_run,
+            next_tier=r.next_tier,
+        )
+        for key, size in r.blocks:
+            resp.blocks.add(key=key, tier=r.tier, size=size)
+        return resp
 
     @_rpc(admin="drain")
     async def Drain(self, p: Principal, req: pb.DrainRequest) -> pb.DrainResponse:
         return pb.DrainResponse(draining=self.gw.drain(p, req.draining))
+
+    @_rpc(admin="scan")
+    async def Scan(self, p: Principal, req: pb.ScanRequest) -> pb.ScanResponse:
+        resp = pb.ScanResponse()
+        for key, tier, size in self.admin.scan(p, req.limit, req.tier):
+            resp.blocks.add(key=key, tier=tier.value, size=size)
+        return resp
+
+    @_rpc(admin="export")
+    async def Export(self, p: Principal, req: pb.KeysRequest) -> pb.GetResponse:
+        budget = self.gw.config.max_message_bytes - 64 * 1024  # room for the headers
+        blocks = await self._run(self.admin.export, p, list(req.keys), budget)
+        resp = pb.GetResponse()
+        for b in blocks:
+            ref = resp.blocks.add(offset=-1)
+            if b is not None:
+                ref.found, ref.header, ref.payload = True, b[0], b[1]
+        return resp
+
+    @_rpc(admin="import")
+    async def Import(self, p: Principal, req: pb.PutRequest) -> pb.PutResponse:
+        resp = pb.PutResponse()
+        items, slots = [], []
+        for it in req.items:
+            out = resp.results.add()
+            try:
+                info = info_from_meta(it.meta)
+            except KVStoreError as exc:
+                out.error.CopyFrom(status_of(exc))
+                continue
+            items.append(ImportItem(it.key, info, it.payload, it.checksum, it.namespace_fp))
+            slots.append(out)
+        results = await self._run(self.admin.import_blocks, p, items)
+        for out, r in zip(slots, results, strict=True):
+            if isinstance(r, KVStoreError):
+                out.error.CopyFrom(status_of(r))
+            else:
+                out.stored = r
+        return resp
+
+    @_rpc(admin="purge")
+    async def Purge(self, p: Principal, req: pb.KeysRequest) -> pb.RemoveResponse:
+        return pb.RemoveResponse(removed=await self._run(self.admin.purge, p, list(req.keys)))
 
 
 def _payload_bytes(blk: BlockRead) -> bytes:

@@ -37,7 +37,7 @@ PAYLOAD = BLOCK - HEADER_SIZE
 NS_A = Namespace("m", "uint8:L1:H1:D1", "a")
 NS_B = Namespace("m", "uint8:L1:H1:D1", "b")
 # Settings the deploy files use that `kvstore serve` does not read yet (see the report).
-PENDING_SETTINGS = {"METRICS_HOST", "METRICS_PORT", "ETCD", "CLUSTER"}
+PENDING_SETTINGS: set[str] = set()
 
 Series = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

@@ -261,3 +261,30 @@ def test_evict_to_target(node: StoreNode) -> None:
         assert node.tier_of(keys[-1]) is TierKind.DRAM
     assert moved == 14
     assert node.stats()["tiers"]["ssd"]["blocks"] == 14
+
+
+def test_evict_where_plans_filters_and_skips_pins(node: StoreNode) -> None:
+    from kvstore.selection import BlockFilter
+
+    keys = _keys(10)
+    other = NS.with_tenant("u")
+    for i, k in enumerate(keys):
+        node.put(k, _block(i), namespace=NS if i < 6 else other)
+    used = node.stats()["tiers"]["dram"]["used"]
+    only_t = BlockFilter(namespaces=frozenset({NS.fingerprint()}))
+    with node.pin(keys[0]):  # the oldest, so first in LRU order
+        plan = node.evict_where(TierKind.DRAM, 0, only_t, dry_run=True, list_limit=3)
+        assert (plan.demoted, plan.skipped_pinned, len(plan.blocks)) == (5, 1, 3)
+        assert plan.next_tier == "ssd" and node.stats()["tiers"]["dram"]["used"] == used
+        done = node.evict_where(TierKind.DRAM, 0, only_t)
+        assert (done.demoted, done.dropped, done.skipped_pinned) == (5, 0, 1)
+        assert done.nbytes == plan.nbytes
+    assert [node.tier_of(k) for k in keys] == [TierKind.DRAM] + [TierKind.SSD] * 5 + [
+        TierKind.DRAM
+    ] * 4
+    assert node.evict_where(TierKind.DRAM, 0, BlockFilter(idle_s=3600)).moved == 0
+    prefix = BlockFilter(key_prefix=keys[7][:4])
+    assert node.evict_where(TierKind.DRAM, 0, prefix).moved == 1
+    dropped = node.evict_where(TierKind.SSD, 0, BlockFilter(namespaces=frozenset()))
+    assert dropped.moved == 0  # an empty set of namespaces matches nothing
+    assert node.evict_where(TierKind.SSD, 0).dropped == 6

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvstore/v1/store.proto\x12\nkvstore.v1\"&\n\x05Scope\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06layout\x18\x02 \x01(\t\"\'\n\x06Status\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"G\n\tValueMeta\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\x0c\n\x04kind\x18\x03 \x01(\r\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\"i\n\x06Limits\x12\x17\n\x0fmax_value_bytes\x18\x01 \x01(\x04\x12\x11\n\tmax_batch\x18\x02 \x01(\r\x12\x19\n\x11max_message_bytes\x18\x03 \x01(\x04\x12\x18\n\x10max_inline_bytes\x18\x04 \x01(\x04\"\r\n\x0bInfoRequest\"\xae\x02\n\x0cInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\r\n\x05\x61\x64min\x18\x04 \x01(\x08\x12\x0f\n\x07host_id\x18\x05 \x01(\t\x12\x10\n\x08hostname\x18\x06 \x01(\t\x12\x11\n\tdata_port\x18\x07 \x01(\r\x12\x10\n\x08shm_name\x18\x08 \x01(\t\x12\x10\n\x08shm_size\x18\t \x01(\x04\x12\x14\n\x0clease_ttl_ms\x18\n \x01(\x04\x12\"\n\x06limits\x18\x0b \x01(\x0b\x32\x12.kvstore.v1.Limits\x12\r\n\x05tiers\x18\x0c \x03(\t\x12\x13\n\x0binstance_id\x18\r \x01(\t\x12\x10\n\x08\x64raining\x18\x0e \x01(\x08\x12\x13\n\x0bunix_socket\x18\x0f \x01(\t\"\x0f\n\rHealthRequest\"\xa9\x01\n\x0eHealthResponse\x12\x38\n\x06status\x18\x01 \x01(\x0e\x32(.kvstore.v1.HealthResponse.ServingStatus\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\"7\n\rServingStatus\x12\x0b\n\x07UNKNOWN\x10\x00\x12\x0b\n\x07SERVING\x10\x01\x12\x0c\n\x08\x44RAINING\x10\x02\"\x1b\n\x0bKeysRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"!\n\x0e\x45xistsResponse\x12\x0f\n\x07present\x18\x01 \x03(\x08\"&\n\x13MatchPrefixResponse\x12\x0f\n\x07matched\x18\x01 \x01(\r\"\x1e\n\x0eLookupResponse\x12\x0c\n\x04tier\x18\x01 \x03(\t\"!\n\x0eRemoveResponse\x12\x0f\n\x07removed\x18\x01 \x01(\r\"<\n\nGetRequest\x12 \n\x05scope\x18\x01 \x01(\x0b\x32\x11.kvstore.v1.Scope\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"\x7f\n\x08\x42lockRef\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x0e\n\x06header\x18\x02 \x01(\x0c\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\x10\n\x08lease_id\x18\x04 \x01(\x04\x12\x0e\n\x06offset\x18\x05 \x01(\x03\x12!\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x12.kvstore.v1.Status\"v\n\x0bGetResponse\x12$\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x14.kvstore.v1.BlockRef\x12\x10\n\x08shm_name\x18\x02 \x01(\t\x12\x18\n\x10lease_expires_ns\x18\x03 \x01(\x03\x12\x15\n\rserver_now_ns\x18\x04 \x01(\x03\"^\n\x07PutItem\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12#\n\x04meta\x18\x02 \x01(\x0b\x32\x15.kvstore.v1.ValueMeta\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x04\x12\x0f\n\x07payload\x18\x04 \x01(\x0c\"R\n\nPutRequest\x12 \n\x05scope\x18\x01 \x01(\x0b\x32\x11.kvstore.v1.Scope\x12\"\n\x05items\x18\x02 \x03(\x0b\x32\x13.kvstore.v1.PutItem\"`\n\tPutResult\x12\x0e\n\x06stored\x18\x01 \x01(\x08\x12!\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x12.kvstore.v1.Status\x12\x10\n\x08lease_id\x18\x03 \x01(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x03\"a\n\x0bPutResponse\x12&\n\x07results\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.PutResult\x12\x10\n\x08shm_name\x18\x02 \x01(\t\x12\x18\n\x10lease_expires_ns\x18\x03 \x01(\x03\"0\n\nCommitItem\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x02 \x01(\x04\"6\n\rCommitRequest\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.kvstore.v1.CommitItem\"!\n\x0cLeaseRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\x04\"2\n\rLeaseResponse\x12\x10\n\x08released\x18\x01 \x01(\r\x12\x0f\n\x07\x65xpired\x18\x02 \x01(\r\"\x0e\n\x0cStatsRequest\"I\n\tTierStats\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x02 \x01(\x04\x12\x0c\n\x04used\x18\x03 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x04\"\xd0\x02\n\rStatsResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x04\x12\x0e\n\x06pinned\x18\x03 \x01(\x04\x12\x16\n\x0e\x65vents_dropped\x18\x04 \x01(\x04\x12$\n\x05tiers\x18\x05 \x03(\x0b\x32\x15.kvstore.v1.TierStats\x12\x39\n\x08\x63ounters\x18\x06 \x03(\x0b\x32\'.kvstore.v1.StatsResponse.CountersEntry\x12\x35\n\x06server\x18\x07 \x03(\x0b\x32%.kvstore.v1.StatsResponse.ServerEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a-\n\x0bServerEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"2\n\x0c\x45victRequest\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x14\n\x0ctarget_bytes\x18\x02 \x01(\x04\"\x1e\n\rEvictResponse\x12\r\n\x05moved\x18\x01 \x01(\r\" \n\x0c\x44rainRequest\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\"!\n\rDrainResponse\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\"(\n\x05Hello\x12\r\n\x05token\x18\x01 \x01(\t\x12\x10\n\x08protocol\x18\x02 \x01(\r2\xea\x07\n\x05Store\x12\x39\n\x04Info\x12\x17.kvstore.v1.InfoRequest\x1a\x18.kvstore.v1.InfoResponse\x12?\n\x06Health\x12\x19.kvstore.v1.HealthRequest\x1a\x1a.kvstore.v1.HealthResponse\x12=\n\x06\x45xists\x12\x17.kvstore.v1.KeysRequest\x1a\x1a.kvstore.v1.ExistsResponse\x12G\n\x0bMatchPrefix\x12\x17.kvstore.v1.KeysRequest\x1a\x1f.kvstore.v1.MatchPrefixResponse\x12=\n\x06Lookup\x12\x17.kvstore.v1.KeysRequest\x1a\x1a.kvstore.v1.LookupResponse\x12=\n\x06Remove\x12\x17.kvstore.v1.KeysRequest\x1a\x1a.kvstore.v1.RemoveResponse\x12\x36\n\x03Get\x12\x16.kvstore.v1.GetRequest\x1a\x17.kvstore.v1.GetResponse\x12\x36\n\x03Put\x12\x16.kvstore.v1.PutRequest\x1a\x17.kvstore.v1.PutResponse\x12:\n\x07Reserve\x12\x16.kvstore.v1.PutRequest\x1a\x17.kvstore.v1.PutResponse\x12<\n\x06\x43ommit\x12\x19.kvstore.v1.CommitRequest\x1a\x17.kvstore.v1.PutResponse\x12<\n\x05\x41\x62ort\x12\x18.kvstore.v1.LeaseRequest\x1a\x19.kvstore.v1.LeaseResponse\x12;\n\x08OpenRead\x12\x16.kvstore.v1.GetRequest\x1a\x17.kvstore.v1.GetResponse\x12@\n\tCloseRead\x12\x18.kvstore.v1.LeaseRequest\x1a\x19.kvstore.v1.LeaseResponse\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponse\x12<\n\x05\x45vict\x12\x18.kvstore.v1.EvictRequest\x1a\x19.kvstore.v1.EvictResponse\x12<\n\x05\x44rain\x12\x18.kvstore.v1.DrainRequest\x1a\x19.kvstore.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvstore/v1/store.proto\x12\nkvstore.v1\"&\n\x05Scope\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06layout\x18\x02 \x01(\t\"\'\n\x06Status\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"G\n\tValueMeta\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\x0c\n\x04kind\x18\x03 \x01(\r\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\"i\n\x06Limits\x12\x17\n\x0fmax_value_bytes\x18\x01 \x01(\x04\x12\x11\n\tmax_batch\x18\x02 \x01(\r\x12\x19\n\x11max_message_bytes\x18\x03 \x01(\x04\x12\x18\n\x10max_inline_bytes\x18\x04 \x01(\x04\"\r\n\x0bInfoRequest\"\xae\x02\n\x0cInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\r\n\x05\x61\x64min\x18\x04 \x01(\x08\x12\x0f\n\x07host_id\x18\x05 \x01(\t\x12\x10\n\x08hostname\x18\x06 \x01(\t\x12\x11\n\tdata_port\x18\x07 \x01(\r\x12\x10\n\x08shm_name\x18\x08 \x01(\t\x12\x10\n\x08shm_size\x18\t \x01(\x04\x12\x14\n\x0clease_ttl_ms\x18\n \x01(\x04\x12\"\n\x06limits\x18\x0b \x01(\x0b\x32\x12.kvstore.v1.Limits\x12\r\n\x05tiers\x18\x0c \x03(\t\x12\x13\n\x0binstance_id\x18\r \x01(\t\x12\x10\n\x08\x64raining\x18\x0e \x01(\x08\x12\x13\n\x0bunix_socket\x18\x0f \x01(\t\"\x0f\n\rHealthRequest\"\xa9\x01\n\x0eHealthResponse\x12\x38\n\x06status\x18\x01 \x01(\x0e\x32(.kvstore.v1.HealthResponse.ServingStatus\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\"7\n\rServingStatus\x12\x0b\n\x07UNKNOWN\x10\x00\x12\x0b\n\x07SERVING\x10\x01\x12\x0c\n\x08\x44RAINING\x10\x02\"\x1b\n\x0bKeysRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"!\n\x0e\x45xistsResponse\x12\x0f\n\x07present\x18\x01 \x03(\x08\"&\n\x13MatchPrefixResponse\x12\x0f\n\x07matched\x18\x01 \x01(\r\"\x1e\n\x0eLookupResponse\x12\x0c\n\x04tier\x18\x01 \x03(\t\"!\n\x0eRemoveResponse\x12\x0f\n\x07removed\x18\x01 \x01(\r\"<\n\nGetRequest\x12 \n\x05scope\x18\x01 \x01(\x0b\x32\x11.kvstore.v1.Scope\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"\x7f\n\x08\x42lockRef\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x0e\n\x06header\x18\x02 \x01(\x0c\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\x10\n\x08lease_id\x18\x04 \x01(\x04\x12\x0e\n\x06offset\x18\x05 \x01(\x03\x12!\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x12.kvstore.v1.Status\"v\n\x0bGetResponse\x12$\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x14.kvstore.v1.BlockRef\x12\x10\n\x08shm_name\x18\x02 \x01(\t\x12\x18\n\x10lease_expires_ns\x18\x03 \x01(\x03\x12\x15\n\rserver_now_ns\x18\x04 \x01(\x03\"t\n\x07PutItem\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12#\n\x04meta\x18\x02 \x01(\x0b\x32\x15.kvstore.v1.ValueMeta\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x04\x12\x0f\n\x07payload\x18\x04 \x01(\x0c\x12\x14\n\x0cnamespace_fp\x18\x05 \x01(\x0c\"R\n\nPutRequest\x12 \n\x05scope\x18\x01 \x01(\x0b\x32\x11.kvstore.v1.Scope\x12\"\n\x05items\x18\x02 \x03(\x0b\x32\x13.kvstore.v1.PutItem\"`\n\tPutResult\x12\x0e\n\x06stored\x18\x01 \x01(\x08\x12!\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x12.kvstore.v1.Status\x12\x10\n\x08lease_id\x18\x03 \x01(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x03\"a\n\x0bPutResponse\x12&\n\x07results\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.PutResult\x12\x10\n\x08shm_name\x18\x02 \x01(\t\x12\x18\n\x10lease_expires_ns\x18\x03 \x01(\x03\"0\n\nCommitItem\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x02 \x01(\x04\"6\n\rCommitRequest\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.kvstore.v1.CommitItem\"!\n\x0cLeaseRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\x04\"2\n\rLeaseResponse\x12\x10\n\x08released\x18\x01 \x01(\r\x12\x0f\n\x07\x65xpired\x18\x02 \x01(\r\"\x0e\n\x0cStatsRequest\"I\n\tTierStats\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x02 \x01(\x04\x12\x0c\n\x04used\x18\x03 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x04\"\xd0\x02\n\rStatsResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x04\x12\x0e\n\x06pinned\x18\x03 \x01(\x04\x12\x16\n\x0e\x65vents_dropped\x18\x04 \x01(\x04\x12$\n\x05tiers\x18\x05 \x03(\x0b\x32\x15.kvstore.v1.TierStats\x12\x39\n\x08\x63ounters\x18\x06 \x03(\x0b\x32\'.kvstore.v1.StatsResponse.CountersEntry\x12\x35\n\x06server\x18\x07 \x03(\x0b\x32%.kvstore.v1.StatsResponse.ServerEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a-\n\x0bServerEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x9a\x01\n\x0c\x45victRequest\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x14\n\x0ctarget_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x12\n\nkey_prefix\x18\x05 \x01(\x0c\x12\x0e\n\x06idle_s\x18\x06 \x01(\x01\x12\x0f\n\x07\x64ry_run\x18\x07 \x01(\x08\x12\x12\n\nlist_limit\x18\x08 \x01(\r\"6\n\x0bStoredBlock\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0c\n\x04tier\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x04\"\xef\x01\n\rEvictResponse\x12\r\n\x05moved\x18\x01 \x01(\r\x12\x16\n\x0eskipped_pinned\x18\x02 \x01(\r\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0f\n\x07\x64\x65moted\x18\x04 \x01(\r\x12\x0f\n\x07\x64ropped\x18\x05 \x01(\r\x12\x13\n\x0bused_before\x18\x06 \x01(\x04\x12\x12\n\nused_after\x18\x07 \x01(\x04\x12\x10\n\x08\x63\x61pacity\x18\x08 \x01(\x04\x12\x0f\n\x07\x64ry_run\x18\t \x01(\x08\x12\x11\n\tnext_tier\x18\n \x01(\t\x12\'\n\x06\x62locks\x18\x0b \x03(\x0b\x32\x17.kvstore.v1.StoredBlock\"*\n\x0bScanRequest\x12\r\n\x05limit\x18\x01 \x01(\r\x12\x0c\n\x04tier\x18\x02 \x01(\t\"7\n\x0cScanResponse\x12\'\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x17.kvstore.v1.StoredBlock\" \n\x0c\x44rainRequest\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\"!\n\rDrainResponse\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\"(\n\x05Hello\x12\r\n\x05token\x18\x01 \x01(\t\x12\x10\n\x08protocol\x18\x02 \x01(\r2\xda\t\n\x05Store\x12\x39\n\x04Info\x12\x17.kvstore.v1.InfoRequest\x1a\x18.kvstore.v1.InfoResponse\x12?\n\x06Health\x12\x19.kvstore.v1.HealthRequest\x1a\x1a.kvstore.v1.HealthResponse\x12=\n\x06\x45xists\x12\x17.kvstore.v1.KeysRequest\x1a\x1a.kvstore.v1.ExistsResponse\x12G\n\x0bMatchPrefix\x12\x17.kvstore.v1.KeysRequest\x1a\x1f.kvstore.v1.MatchPrefixResponse\x12=\n\x06Lookup\x12\x17.kvstore.v1.KeysRequest\x1a\x1a.kvstore.v1.LookupResponse\x12=\n\x06Remove\x12\x17.kvstore.v1.KeysRequest\x1a\x1a.kvstore.v1.RemoveResponse\x12\x36\n\x03Get\x12\x16.kvstore.v1.GetRequest\x1a\x17.kvstore.v1.GetResponse\x12\x36\n\x03Put\x12\x16.kvstore.v1.PutRequest\x1a\x17.kvstore.v1.PutResponse\x12:\n\x07Reserve\x12\x16.kvstore.v1.PutRequest\x1a\x17.kvstore.v1.PutResponse\x12<\n\x06\x43ommit\x12\x19.kvstore.v1.CommitRequest\x1a\x17.kvstore.v1.PutResponse\x12<\n\x05\x41\x62ort\x12\x18.kvstore.v1.LeaseRequest\x1a\x19.kvstore.v1.LeaseResponse\x12;\n\x08OpenRead\x12\x16.kvstore.v1.GetRequest\x1a\x17.kvstore.v1.GetResponse\x12@\n\tCloseRead\x12\x18.kvstore.v1.LeaseRequest\x1a\x19.kvstore.v1.LeaseResponse\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponse\x12<\n\x05\x45vict\x12\x18.kvstore.v1.EvictRequest\x1a\x19.kvstore.v1.EvictResponse\x12<\n\x05\x44rain\x12\x18.kvstore.v1.DrainRequest\x1a\x19.kvstore.v1.DrainResponse\x12\x39\n\x04Scan\x12\x17.kvstore.v1.ScanRequest\x1a\x18.kvstore.v1.ScanResponse\x12:\n\x06\x45xport\x12\x17.kvstore.v1.KeysRequest\x1a\x17.kvstore.v1.GetResponse\x12\x39\n\x06Import\x12\x16.kvstore.v1.PutRequest\x1a\x17.kvstore.v1.PutResponse\x12<\n\x05Purge\x12\x17.kvstore.v1.KeysRequest\x1a\x1a.kvstore.v1.RemoveResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -70,41 +70,47 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETRESPONSE']._serialized_start=1170
   _globals['_GETRESPONSE']._serialized_end=1288
   _globals['_PUTITEM']._serialized_start=1290
-  _globals['_PUTITEM']._serialized_end=1384
-  _globals['_PUTREQUEST']._serialized_start=1386
-  _globals['_PUTREQUEST']._serialized_end=1468
-  _globals['_PUTRESULT']._serialized_start=1470
-  _globals['_PUTRESULT']._serialized_end=1566
-  _globals['_PUTRESPONSE']._serialized_start=1568
-  _globals['_PUTRESPONSE']._serialized_end=1665
-  _globals['_COMMITITEM']._serialized_start=1667
-  _globals['_COMMITITEM']._serialized_end=1715
-  _globals['_COMMITREQUEST']._serialized_start=1717
-  _globals['_COMMITREQUEST']._serialized_end=1771
-  _globals['_LEASEREQUEST']._serialized_start=1773
-  _globals['_LEASEREQUEST']._serialized_end=1806
-  _globals['_LEASERESPONSE']._serialized_start=1808
-  _globals['_LEASERESPONSE']._serialized_end=1858
-  _globals['_STATSREQUEST']._serialized_start=1860
-  _globals['_STATSREQUEST']._serialized_end=1874
-  _globals['_TIERSTATS']._serialized_start=1876
-  _globals['_TIERSTATS']._serialized_end=1949
-  _globals['_STATSRESPONSE']._serialized_start=1952
-  _globals['_STATSRESPONSE']._serialized_end=2288
-  _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_start=2194
-  _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_end=2241
-  _globals['_STATSRESPONSE_SERVERENTRY']._serialized_start=2243
-  _globals['_STATSRESPONSE_SERVERENTRY']._serialized_end=2288
-  _globals['_EVICTREQUEST']._serialized_start=2290
-  _globals['_EVICTREQUEST']._serialized_end=2340
-  _globals['_EVICTRESPONSE']._serialized_start=2342
-  _globals['_EVICTRESPONSE']._serialized_end=2372
-  _globals['_DRAINREQUEST']._serialized_start=2374
-  _globals['_DRAINREQUEST']._serialized_end=2406
-  _globals['_DRAINRESPONSE']._serialized_start=2408
-  _globals['_DRAINRESPONSE']._serialized_end=2441
-  _globals['_HELLO']._serialized_start=2443
-  _globals['_HELLO']._serialized_end=2483
-  _globals['_STORE']._serialized_start=2486
-  _globals['_STORE']._serialized_end=3488
+  _globals['_PUTITEM']._serialized_end=1406
+  _globals['_PUTREQUEST']._serialized_start=1408
+  _globals['_PUTREQUEST']._serialized_end=1490
+  _globals['_PUTRESULT']._serialized_start=1492
+  _globals['_PUTRESULT']._serialized_end=1588
+  _globals['_PUTRESPONSE']._serialized_start=1590
+  _globals['_PUTRESPONSE']._serialized_end=1687
+  _globals['_COMMITITEM']._serialized_start=1689
+  _globals['_COMMITITEM']._serialized_end=1737
+  _globals['_COMMITREQUEST']._serialized_start=1739
+  _globals['_COMMITREQUEST']._serialized_end=1793
+  _globals['_LEASEREQUEST']._serialized_start=1795
+  _globals['_LEASEREQUEST']._serialized_end=1828
+  _globals['_LEASERESPONSE']._serialized_start=1830
+  _globals['_LEASERESPONSE']._serialized_end=1880
+  _globals['_STATSREQUEST']._serialized_start=1882
+  _globals['_STATSREQUEST']._serialized_end=1896
+  _globals['_TIERSTATS']._serialized_start=1898
+  _globals['_TIERSTATS']._serialized_end=1971
+  _globals['_STATSRESPONSE']._serialized_start=1974
+  _globals['_STATSRESPONSE']._serialized_end=2310
+  _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_start=2216
+  _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_end=2263
+  _globals['_STATSRESPONSE_SERVERENTRY']._serialized_start=2265
+  _globals['_STATSRESPONSE_SERVERENTRY']._serialized_end=2310
+  _globals['_EVICTREQUEST']._serialized_start=2313
+  _globals['_EVICTREQUEST']._serialized_end=2467
+  _globals['_STOREDBLOCK']._serialized_start=2469
+  _globals['_STOREDBLOCK']._serialized_end=2523
+  _globals['_EVICTRESPONSE']._serialized_start=2526
+  _globals['_EVICTRESPONSE']._serialized_end=2765
+  _globals['_SCANREQUEST']._serialized_start=2767
+  _globals['_SCANREQUEST']._serialized_end=2809
+  _globals['_SCANRESPONSE']._serialized_start=2811
+  _globals['_SCANRESPONSE']._serialized_end=2866
+  _globals['_DRAINREQUEST']._serialized_start=2868
+  _globals['_DRAINREQUEST']._serialized_end=2900
+  _globals['_DRAINRESPONSE']._serialized_start=2902
+  _globals['_DRAINRESPONSE']._serialized_end=2935
+  _globals['_HELLO']._serialized_start=2937
+  _globals['_HELLO']._serialized_end=2977
+  _globals['_STORE']._serialized_start=2980
+  _globals['_STORE']._serialized_end=4222
 # @@protoc_insertion_point(module_scope)

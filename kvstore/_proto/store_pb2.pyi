@@ -174,16 +174,18 @@ class GetResponse(_message.Message):
     def __init__(self, blocks: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ..., shm_name: _Optional[str] = ..., lease_expires_ns: _Optional[int] = ..., server_now_ns: _Optional[int] = ...) -> None: ...
 
 class PutItem(_message.Message):
-    __slots__ = ("key", "meta", "checksum", "payload")
+    __slots__ = ("key", "meta", "checksum", "payload", "namespace_fp")
     KEY_FIELD_NUMBER: _ClassVar[int]
     META_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FP_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     meta: ValueMeta
     checksum: int
     payload: bytes
-    def __init__(self, key: _Optional[bytes] = ..., meta: _Optional[_Union[ValueMeta, _Mapping]] = ..., checksum: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    namespace_fp: bytes
+    def __init__(self, key: _Optional[bytes] = ..., meta: _Optional[_Union[ValueMeta, _Mapping]] = ..., checksum: _Optional[int] = ..., payload: _Optional[bytes] = ..., namespace_fp: _Optional[bytes] = ...) -> None: ...
 
 class PutRequest(_message.Message):
     __slots__ = ("scope", "items")
@@ -292,18 +294,74 @@ class StatsResponse(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., blocks: _Optional[int] = ..., pinned: _Optional[int] = ..., events_dropped: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., server: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
-    __slots__ = ("tier", "target_bytes")
+    __slots__ = ("tier", "target_bytes", "tenant", "model", "key_prefix", "idle_s", "dry_run", "list_limit")
     TIER_FIELD_NUMBER: _ClassVar[int]
     TARGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    KEY_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    LIST_LIMIT_FIELD_NUMBER: _ClassVar[int]
     tier: str
     target_bytes: int
-    def __init__(self, tier: _Optional[str] = ..., target_bytes: _Optional[int] = ...) -> None: ...
+    tenant: str
+    model: str
+    key_prefix: bytes
+    idle_s: float
+    dry_run: bool
+    list_limit: int
+    def __init__(self, tier: _Optional[str] = ..., target_bytes: _Optional[int] = ..., tenant: _Optional[str] = ..., model: _Optional[str] = ..., key_prefix: _Optional[bytes] = ..., idle_s: _Optional[float] = ..., dry_run: _Optional[bool] = ..., list_limit: _Optional[int] = ...) -> None: ...
+
+class StoredBlock(_message.Message):
+    __slots__ = ("key", "tier", "size")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    tier: str
+    size: int
+    def __init__(self, key: _Optional[bytes] = ..., tier: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class EvictResponse(_message.Message):
-    __slots__ = ("moved",)
+    __slots__ = ("moved", "skipped_pinned", "bytes", "demoted", "dropped", "used_before", "used_after", "capacity", "dry_run", "next_tier", "blocks")
     MOVED_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_PINNED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEMOTED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    USED_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    USED_AFTER_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TIER_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
     moved: int
-    def __init__(self, moved: _Optional[int] = ...) -> None: ...
+    skipped_pinned: int
+    bytes: int
+    demoted: int
+    dropped: int
+    used_before: int
+    used_after: int
+    capacity: int
+    dry_run: bool
+    next_tier: str
+    blocks: _containers.RepeatedCompositeFieldContainer[StoredBlock]
+    def __init__(self, moved: _Optional[int] = ..., skipped_pinned: _Optional[int] = ..., bytes: _Optional[int] = ..., demoted: _Optional[int] = ..., dropped: _Optional[int] = ..., used_before: _Optional[int] = ..., used_after: _Optional[int] = ..., capacity: _Optional[int] = ..., dry_run: _Optional[bool] = ..., next_tier: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[StoredBlock, _Mapping]]] = ...) -> None: ...
+
+class ScanRequest(_message.Message):
+    __slots__ = ("limit", "tier")
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    limit: int
+    tier: str
+    def __init__(self, limit: _Optional[int] = ..., tier: _Optional[str] = ...) -> None: ...
+
+class ScanResponse(_message.Message):
+    __slots__ = ("blocks",)
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    blocks: _containers.RepeatedCompositeFieldContainer[StoredBlock]
+    def __init__(self, blocks: _Optional[_Iterable[_Union[StoredBlock, _Mapping]]] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("draining",)

@@ -114,6 +114,26 @@ class StoreStub:
                 request_serializer=kvstore_dot_v1_dot_store__pb2.DrainRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_store__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.Scan = channel.unary_unary(
+                '/kvstore.v1.Store/Scan',
+                request_serializer=kvstore_dot_v1_dot_store__pb2.ScanRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_store__pb2.ScanResponse.FromString,
+                _registered_method=True)
+        self.Export = channel.unary_unary(
+                '/kvstore.v1.Store/Export',
+                request_serializer=kvstore_dot_v1_dot_store__pb2.KeysRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_store__pb2.GetResponse.FromString,
+                _registered_method=True)
+        self.Import = channel.unary_unary(
+                '/kvstore.v1.Store/Import',
+                request_serializer=kvstore_dot_v1_dot_store__pb2.PutRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_store__pb2.PutResponse.FromString,
+                _registered_method=True)
+        self.Purge = channel.unary_unary(
+                '/kvstore.v1.Store/Purge',
+                request_serializer=kvstore_dot_v1_dot_store__pb2.KeysRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_store__pb2.RemoveResponse.FromString,
+                _registered_method=True)
 
 
 class StoreServicer:
@@ -213,7 +233,8 @@ class StoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Evict(self, request, context):
-        """Admin: demote or drop blocks until a tier holds at most target_bytes.
+        """Admin: demote or drop blocks until a tier holds at most target_bytes, optionally
+        only blocks matching filters; pinned blocks are skipped and counted; dry_run plans.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -221,6 +242,38 @@ class StoreServicer:
 
     def Drain(self, request, context):
         """Admin: refuse (draining = true) or accept again new writes; reads keep working.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Scan(self, request, context):
+        """Admin, for `kvstore drain`: blocks addressed by their stored (tenant-scoped) keys,
+        as the node holds them, so a block moves between nodes with its tenant scoping and
+        namespace fingerprint intact.
+        Up to `limit` stored blocks, in no particular order (a drain removes what it moved
+        and asks again).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Export(self, request, context):
+        """Blocks by stored key, header and payload inline (a miss: found = false).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Import(self, request, context):
+        """Store blocks under stored keys (PutItem.namespace_fp kept); refused while draining.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Purge(self, request, context):
+        """Remove blocks by stored key (pinned ones go at their last unpin).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -308,6 +361,26 @@ def add_StoreServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=kvstore_dot_v1_dot_store__pb2.DrainRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_store__pb2.DrainResponse.SerializeToString,
+            ),
+            'Scan': grpc.unary_unary_rpc_method_handler(
+                    servicer.Scan,
+                    request_deserializer=kvstore_dot_v1_dot_store__pb2.ScanRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_store__pb2.ScanResponse.SerializeToString,
+            ),
+            'Export': grpc.unary_unary_rpc_method_handler(
+                    servicer.Export,
+                    request_deserializer=kvstore_dot_v1_dot_store__pb2.KeysRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_store__pb2.GetResponse.SerializeToString,
+            ),
+            'Import': grpc.unary_unary_rpc_method_handler(
+                    servicer.Import,
+                    request_deserializer=kvstore_dot_v1_dot_store__pb2.PutRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_store__pb2.PutResponse.SerializeToString,
+            ),
+            'Purge': grpc.unary_unary_rpc_method_handler(
+                    servicer.Purge,
+                    request_deserializer=kvstore_dot_v1_dot_store__pb2.KeysRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_store__pb2.RemoveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -742,6 +815,114 @@ class Store:
             '/kvstore.v1.Store/Drain',
             kvstore_dot_v1_dot_store__pb2.DrainRequest.SerializeToString,
             kvstore_dot_v1_dot_store__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Scan(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Store/Scan',
+            kvstore_dot_v1_dot_store__pb2.ScanRequest.SerializeToString,
+            kvstore_dot_v1_dot_store__pb2.ScanResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Export(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Store/Export',
+            kvstore_dot_v1_dot_store__pb2.KeysRequest.SerializeToString,
+            kvstore_dot_v1_dot_store__pb2.GetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Import(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Store/Import',
+            kvstore_dot_v1_dot_store__pb2.PutRequest.SerializeToString,
+            kvstore_dot_v1_dot_store__pb2.PutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Purge(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Store/Purge',
+            kvstore_dot_v1_dot_store__pb2.KeysRequest.SerializeToString,
+            kvstore_dot_v1_dot_store__pb2.RemoveResponse.FromString,
             options,
             channel_credentials,
             insecure,

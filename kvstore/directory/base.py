@@ -75,6 +75,9 @@ class NodeInfo:
         shm_name: the DRAM tier's shared-memory segment, for same-host clients.
         boot_id: random per process start; tells two lives of one node id apart.
         tiers: capacity in bytes of each tier the node has.
+        host_id: the kernel's boot id (kvstore.transport.locality.host_id): equal on
+            two nodes exactly when they share a kernel, so a client can tell which
+            nodes are local to it ("" when unknown, which never matches).
         epoch: the lease the registration lives under; set by the directory (0 before).
     """
 
@@ -85,6 +88,7 @@ class NodeInfo:
     shm_name: str = ""
     boot_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     tiers: Mapping[TierKind, int] = field(default_factory=dict)
+    host_id: str = ""
     epoch: int = 0
 
     def __post_init__(self) -> None:
@@ -106,6 +110,7 @@ class NodeInfo:
             "shm_name": self.shm_name,
             "boot_id": self.boot_id,
             "tiers": {TierKind(k).value: int(v) for k, v in self.tiers.items()},
+            "host_id": self.host_id,
             "epoch": self.epoch,
         }
         return json.dumps(doc, separators=(",", ":")).encode()
@@ -123,6 +128,7 @@ class NodeInfo:
                 shm_name=doc.get("shm_name", ""),
                 boot_id=doc.get("boot_id", ""),
                 tiers={TierKind(k): int(v) for k, v in doc.get("tiers", {}).items()},
+                host_id=doc.get("host_id", ""),
                 epoch=int(doc.get("epoch", 0)) if epoch is None else epoch,
             )
         except (ValueError, KeyError, TypeError, ConfigError) as exc:

@@ -10,6 +10,10 @@ received into a fresh reservation and committed against the writer's xxh3; a fra
 short, a reset or a stall past ``io_timeout_s`` closes the connection and aborts that
 reservation, so nothing half-written is ever visible. Every lease granted on a
 connection (shared-memory reads and writes) ends when it closes.
+
+Counting (kvstore/metrics_names.py): payload bytes on the socket are path ``tcp`` (over
+TCP or the same-host Unix socket alike), leased extents are ``shm``; one latency
+observation per GET and PUT (tcp) and per LEASE and COMMIT (shm), reply sent included.
 """
 
 from __future__ import annotations
@@ -47,6 +51,15 @@ from kvstore.transport.frames import (
 __all__ = ["DataServer"]
 
 log = logging.getLogger(__name__)
+
+_TIMED: dict[
+    int, tuple[str, str]
+] = {  # op -> (latency op, path); RESERVE, RELEASE and metadata ops are not timed
+    Op.GET: ("get", "tcp"),
+    Op.LEASE: ("get", "shm"),
+    Op.PUT: ("put", "tcp"),
+    Op.COMMIT: ("put", "shm"),
+}
 
 
 def _parse(cls: type[Message], meta: bytes) -> Any:
@@ -253,17 +266,19 @@ class _Session:
             raise ProtocolError(f"unknown op {op}")
         if body_len and op != Op.PUT:
             raise ProtocolError(f"op {Op(op).name} carries no payload, got {body_len} bytes")
-        try:
-            reply = handler(meta, body_len)
-        except ProtocolError:
-            raise
-        except KVStoreError as exc:
-            if self.fs.broken:  # a socket failure: the stream is out of step
+        timed = _TIMED.get(op)
+        with self.gw.counters.time(*timed) if timed else contextlib.nullcontext():
+            try:
+                reply = handler(meta, body_len)
+            except ProtocolError:
                 raise
-            _send_error(self.fs, exc)  # the request failed as a whole; the stream is intact
-            return
-        if reply is not None:
-            self.fs.send(op | REPLY, reply.SerializeToString())
+            except KVStoreError as exc:
+                if self.fs.broken:  # a socket failure: the stream is out of step
+                    raise
+                _send_error(self.fs, exc)  # the request failed as a whole; stream intact
+                return
+            if reply is not None:
+                self.fs.send(op | REPLY, reply.SerializeToString())
 
     # -- reads -------------------------------------------------------------------------
 
@@ -277,6 +292,7 @@ class _Session:
             body = [mv for mv in parts if mv is not None]
             total = sum(mv.nbytes for mv in body)
             self.fs.send(Op.GET | REPLY, resp.SerializeToString(), body, total)
+            self.gw.count_out(self.principal, "tcp", total)
         finally:
             self.gw.close_reads(reads)
 
@@ -289,11 +305,13 @@ class _Session:
             resp = pb.GetResponse(shm_name=self.gw.node.shm_name or "")
             resp.server_now_ns = time.monotonic_ns()
             body = []
+            shm_bytes = 0
             for r in reads:
                 ref = resp.blocks.add()
                 if isinstance(r, BlockRead) and self.gw.shm_offset(r) >= 0:
                     lease = self.gw.lease_read(self.principal, r, self.id)
                     leased.add(id(r))
+                    shm_bytes += r.header.payload_len
                     ref.found, ref.header = True, r.header.pack()
                     ref.lease_id, ref.offset = lease.id, r.offset
                     resp.lease_expires_ns = resp.lease_expires_ns or lease.expires_ns
@@ -303,6 +321,8 @@ class _Session:
                     body.append(mv)
             total = sum(mv.nbytes for mv in body)
             self.fs.send(Op.LEASE | REPLY, resp.SerializeToString(), body, total)
+            self.gw.count_out(self.principal, "shm", shm_bytes)
+            self.gw.count_out(self.principal, "tcp", total)
         finally:  # leased reads end with their lease (release, expiry or this connection)
             self.gw.close_reads([r for r in reads if id(r) not in leased])
 
@@ -365,7 +385,7 @@ class _Session:
             self.gw.abort(res)  # a cut-short payload never becomes visible
             raise
         try:
-            out.stored = self.gw.commit(res, item.checksum)
+            out.stored = self.gw.commit(self.principal, res, item.checksum, "tcp")
         except KVStoreError as exc:
             out.error.CopyFrom(status_of(exc))
 

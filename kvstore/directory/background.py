@@ -1,0 +1,131 @@
+"""A Directory run on a private event loop thread, for synchronous callers.
+
+A :class:`~kvstore.directory.base.Directory` is asyncio and bound to the loop that
+opened it, while :class:`~kvstore.client.StoreClient` and its cluster sibling are
+blocking (see kvstore/client.py for why). This helper gives such a caller the
+directory's watch-fed :class:`Mirror`, which is thread-safe to read, while the watch
+itself keeps running on a loop nobody else has to drive.
+
+Lifecycle: ``start()`` opens the directory and waits for the mirror's first full
+listing (bounded); ``close()`` closes the directory on its loop, stops the loop and
+joins the thread; both are idempotent. ``call()`` runs any other directory coroutine
+there (``list_nodes``, or a test registering a node) and waits for its result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+from kvstore.directory.base import Directory
+from kvstore.directory.mirror import Mirror
+from kvstore.errors import ClosedError, TimeoutError_
+
+__all__ = ["BackgroundDirectory"]
+
+T = TypeVar("T")
+
+
+class BackgroundDirectory:
+    """Owns one Directory and the thread whose loop it lives on.
+
+    ``factory`` builds the directory inside that loop (aetcd binds its channel to
+    the loop it is created on). ``timeout`` bounds opening and every ``call``.
+    """
+
+    def __init__(self, factory: Callable[[], Directory], *, timeout: float = 10.0) -> None:
+        self._factory = factory
+        self.timeout = timeout
+        self.directory: Directory | None = None
+        self.mirror: Mirror | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self._deregister = True
+
+    def start(self) -> Mirror:
+        """Start the loop, open the directory, return its synced mirror."""
+        with self._lock:
+            if self._closed:
+                raise ClosedError("background directory is closed")
+            if self.mirror is not None:
+                return self.mirror
+            loop = asyncio.new_event_loop()
+            thread = threading.Thread(
+                target=_run_loop, args=(loop,), name="kvstore-directory", daemon=True
+            )
+            thread.start()
+            self._loop, self._thread = loop, thread
+        try:
+            self.mirror = self.call(self._open)
+        except BaseException:
+            self.close()
+            raise
+        return self.mirror
+
+    async def _open(self) -> Mirror:
+        self.directory = self._factory()
+        await self.directory.open()
+        return await self.directory.mirror()
+
+    def call(self, fn: Callable[[], Coroutine[Any, Any, T]], timeout: float | None = None) -> T:
+        """Run ``fn()`` on the directory's loop; its result, or its exception."""
+        if self._closed:
+            raise ClosedError("background directory is closed")
+        return self._submit(fn, timeout)
+
+    def _submit(self, fn: Callable[[], Coroutine[Any, Any, T]], timeout: float | None) -> T:
+        loop = self._loop
+        if loop is None:
+            raise ClosedError("background directory is not started")
+        fut = asyncio.run_coroutine_threadsafe(fn(), loop)
+        wait = self.timeout if timeout is None else timeout
+        try:
+            return fut.result(wait)
+        except TimeoutError:
+            fut.cancel()
+            raise TimeoutError_(f"directory call did not finish within {wait:.1f} s") from None
+
+    def close(self, *, deregister: bool = True) -> None:
+        """Close the directory (revoking its own registrations unless told not to),
+        stop the loop, join the thread. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            return
+        self._deregister = deregister
+        with contextlib.suppress(Exception):
+            self._submit(self._shutdown, None)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(self.timeout)
+        if not thread.is_alive():
+            loop.close()
+
+    async def _shutdown(self) -> None:
+        if self.directory is not None:
+            await self.directory.close(deregister=self._deregister)
+        me = asyncio.current_task()
+        rest = [t for t in asyncio.all_tasks() if t is not me]  # grpc's stragglers
+        for t in rest:
+            t.cancel()
+        await asyncio.gather(*rest, return_exceptions=True)
+        await asyncio.get_running_loop().shutdown_asyncgens()
+
+    def __enter__(self) -> BackgroundDirectory:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
+    asyncio.set_event_loop(loop)
+    loop.run_forever()
