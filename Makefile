@@ -35,8 +35,11 @@ lint:
 typecheck:
 	$(PY) -m mypy kvstore engine
 
+# The vLLM connector's tests run in their own environment (.venv-vllm, built on first
+# use in about 2 minutes): see the vllm-env target below.
 test: install-test lint typecheck
 	$(PY) -m pytest -q -x --durations=15
+	$(MAKE) test-vllm
 
 bench: install-test
 	$(PY) benchmarks/bench_node.py

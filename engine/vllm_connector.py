@@ -1,0 +1,415 @@
+"""vLLM KV connector (``KVConnectorBase_V1``) backed by kvstore.
+
+Enable it with::
+
+    KVTransferConfig(
+        kv_connector="KVStoreConnector",
+        kv_connector_module_path="engine.vllm_connector",
+        kv_role="kv_both",                 # kv_producer: save only; kv_consumer: load only
+        kv_connector_extra_config={"endpoint": "127.0.0.1:7400", "token": "..."},
+    )
+
+Keys are kvstore's own chained prefix keys (``prefix_keys``) over the prompt's full
+blocks, with vLLM's block size and the model's KV layout (dtype, attention layers, KV
+heads per rank, head dim, block size, TP rank) in the namespace, so two engines share a
+block exactly when model, layout, tenant and every token up to it agree. One stored
+object holds one block of every layer (``[layers, 2, kv_heads, block_tokens, head_dim]``),
+token-major as DESIGN.md says, the same bytes engine/hf.py stores for the same model;
+pages of a CPU kernel whose key layout is not known are stored as they are under a
+namespace tagged with that kernel (see engine/vllm_paged.py and ``namespace_for``).
+
+Scheduler side: ``get_num_new_matched_tokens`` asks the store for its longest stored
+prefix (one ``match_prefix`` round trip), keeping at least the last prompt token for
+vLLM to compute; ``update_state_after_alloc`` turns a hit into a load of those blocks
+into the pages vLLM allocated; ``build_connector_meta`` hands the step's loads and the
+full prompt blocks finished in this step (saves) to the worker.
+
+Worker side: ``start_load_kv`` copies hits into vLLM's paged KV before the forward
+(loads are synchronous: a block holds all layers, so layer 0 needs the whole block);
+``wait_for_save`` writes the step's new full blocks after the forward, skipping those
+the store already holds (saves are synchronous too, so vLLM may free a finished
+request's pages at once). A block that fails to load (miss, corrupt, store down) is
+reported through ``get_block_ids_with_load_errors``; vLLM then recomputes from it, so
+the failure costs time, never a request or a wrong token. That needs vLLM's
+``kv_load_failure_policy="recompute"``, which this connector sets (with a warning) when
+it finds vLLM's default ``"fail"``. Corrupt blocks are removed from the store, and the
+scheduler plans their save again after vLLM recomputes them.
+
+Not handled: hybrid models (more than one KV cache group), MLA, GPU page layouts
+(refused at start), decode-phase blocks (only prompt blocks are saved). Tensor
+parallelism is untested: each rank stores its shard under its own ``R<rank>``, and the
+scheduler matches rank 0's keys (a shard missing on another rank is a load error there).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from engine.vllm_paged import PagedKV
+from engine.vllm_store import (
+    BlockStore,
+    ConnectorConfig,
+    ConnectorStats,
+    ResilientStore,
+    open_client,
+)
+from kvstore.errors import ConfigError
+from kvstore.keys import Namespace, prefix_keys
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = [
+    "BlockTransfer",
+    "KVStoreConnector",
+    "KVStoreConnectorMetadata",
+    "cpu_attention_isa",
+    "namespace_for",
+]
+
+# vLLM's logger tree: its level (VLLM_LOGGING_LEVEL) and format apply to our lines.
+logger = logging.getLogger("vllm.kvstore")
+
+
+@dataclass(slots=True)
+class BlockTransfer:
+    """Blocks of one request to move: ``keys[i]`` <-> vLLM page ``block_ids[i]``."""
+
+    req_id: str
+    keys: list[bytes]
+    block_ids: list[int]
+
+
+@dataclass
+class KVStoreConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, once per step: what to load before and save after it."""
+
+    loads: list[BlockTransfer] = field(default_factory=list)
+    saves: list[BlockTransfer] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _RequestState:
+    """Scheduler-side facts about one live request."""
+
+    keys: list[bytes]  # keys of the prompt's full blocks
+    local_tokens: int = 0  # tokens vLLM had locally at the latest lookup
+    stored: int = 0  # leading blocks the store held at the latest lookup
+    planned: int = 0  # leading blocks stored or already handed to the worker for saving
+    loaded: dict[int, int] = field(default_factory=dict)  # page id -> block index
+
+
+# Kernel ISAs whose key tiles are known (measured against transformers' KV) to be a
+# plain [head_dim, block_tokens] transpose: their blocks are stored canonical.
+_CANONICAL_ISAS = frozenset({"vec"})
+
+
+def cpu_attention_isa(vllm_config: VllmConfig, spec: Any) -> str:
+    """The ISA of vLLM's CPU attention kernel for this KV spec, which fixes how a page's
+    bytes are arranged; ``<isa>-<kv cache dtype>`` for a quantized KV cache."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        raise ConfigError("KVStoreConnector supports vLLM's CPU attention backend only (for now)")
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    isa = _get_attn_isa(spec.dtype, spec.block_size, spec.head_size, cache_dtype)
+    return isa if cache_dtype == "auto" else f"{isa}-{cache_dtype}"
+
+
+def namespace_for(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model_id: str, rank: int
+) -> tuple[Namespace, bool]:
+    """This engine's KV namespace, and whether its pages' key tiles are transposed.
+
+    Canonical pages (see engine/vllm_paged.py) get the plain model id, so their blocks
+    are the ones engine/hf.py stores too; pages of any other kernel are copied as they
+    are and tagged with it (``model@vllm-cpu-<isa>``), so they never mix with others.
+    """
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ConfigError(
+            f"KVStoreConnector supports one KV cache group, this model has {len(groups)}"
+        )
+    spec = groups[0].kv_cache_spec
+    head_v = getattr(spec, "head_size_v", spec.head_size)
+    if head_v != spec.head_size or getattr(spec, "num_kv_heads", None) is None:
+        raise ConfigError("KVStoreConnector needs standard attention (same K and V head size)")
+    dtype = str(spec.dtype).removeprefix("torch.")
+    layers = len(groups[0].layer_names)
+    layout = f"{dtype}:L{layers}:H{spec.num_kv_heads}:D{spec.head_size}:B{spec.block_size}:R{rank}"
+    model = model_id or vllm_config.model_config.model
+    isa = cpu_attention_isa(vllm_config, spec)
+    canonical = isa in _CANONICAL_ISAS
+    if not canonical:
+        model = f"{model}@vllm-cpu-{isa}"
+    return Namespace(model=model, layout=layout), canonical
+
+
+def _chunks(n: int, size: int) -> Iterator[slice]:
+    for start in range(0, n, size):
+        yield slice(start, min(n, start + size))
+
+
+class KVStoreConnector(KVConnectorBase_V1):
+    """kvstore as vLLM's external prefix cache (see the module docstring)."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        tc = self._kv_transfer_config
+        self.config = ConnectorConfig.from_extra(tc.kv_connector_extra_config)
+        self.load_enabled = bool(tc.is_kv_consumer)
+        self.save_enabled = bool(tc.is_kv_producer)
+        rank = 0
+        if role is KVConnectorRole.SCHEDULER:
+            _require_recompute(tc)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            rank = get_tensor_model_parallel_rank()
+        # The scheduler matches rank 0's keys; with TP > 1 a missing shard of another
+        # rank shows up as a load error on that rank, which vLLM recomputes.
+        self.namespace, self._keys_transposed = namespace_for(
+            vllm_config, kv_cache_config, self.config.model_id, rank
+        )
+        self.block_size = self.namespace.kv_layout.block_tokens or 0
+        self.stats = ConnectorStats()
+        self.store = ResilientStore(
+            self._open_store,
+            retry_after_s=self.config.retry_after_s,
+            stats=self.stats,
+        )
+        self.store.open()
+        # scheduler side
+        self._reqs: dict[str, _RequestState] = {}
+        self._pending_loads: list[BlockTransfer] = []
+        # worker side
+        self._paged: PagedKV | None = None
+        self._load_errors: set[int] = set()
+        self._failed_reqs: set[str] = set()
+        logger.info(
+            "KVStoreConnector (%s) for %s %s at %s: load=%s save=%s",
+            role.name.lower(), self.namespace.model, self.namespace.layout,
+            self.config.endpoint, self.load_enabled, self.save_enabled,
+        )  # fmt: skip
+
+    def _open_store(self) -> BlockStore:
+        """A new client of the configured store (a seam for fault-injecting subclasses)."""
+        return open_client(self.config, self.namespace)
+
+    # -- scheduler side -------------------------------------------------------------------
+
+    def _state(self, req_id: str, prompt: Sequence[int] | None) -> _RequestState | None:
+        st = self._reqs.get(req_id)
+        if st is None and prompt is not None:
+            keys: list[bytes] = list(prefix_keys(prompt, self.block_size, self.namespace))
+            st = self._reqs[req_id] = _RequestState(keys=keys)
+        return st
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens the store can supply beyond vLLM's local prefix, as whole blocks.
+
+        One ``match_prefix`` over the prompt's full blocks; a saving side asks too, so
+        it never writes (nor even gathers) blocks the store already holds.
+        """
+        st = self._state(request.request_id, request.prompt_token_ids)
+        if st is None or not st.keys:
+            return 0, False
+        st.local_tokens = num_computed_tokens
+        # Keep the last prompt token for vLLM: its logits give the first output token.
+        usable = min(len(st.keys), (request.num_prompt_tokens - 1) // self.block_size)
+        load = self.load_enabled and num_computed_tokens % self.block_size == 0
+        if not self.save_enabled and (not load or usable * self.block_size <= num_computed_tokens):
+            return 0, False
+        self.stats.lookups += 1
+        st.stored = self.store.match_prefix(st.keys)
+        st.planned = max(st.planned, st.stored)
+        if not load:
+            return 0, False
+        return max(0, min(st.stored, usable) * self.block_size - num_computed_tokens), False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Plan the load of the promised blocks into the pages just allocated."""
+        if num_external_tokens <= 0:
+            return
+        st = self._reqs[request.request_id]
+        page_ids = blocks.get_block_ids()[0]
+        first = st.local_tokens // self.block_size
+        end = first + num_external_tokens // self.block_size
+        self._pending_loads.append(
+            BlockTransfer(request.request_id, st.keys[first:end], page_ids[first:end])
+        )
+        st.loaded = {page_ids[i]: i for i in range(first, end)}  # pages change on preemption
+        self.stats.hit_tokens += num_external_tokens
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """This step's loads, and saves of the prompt blocks this step completes."""
+        meta = KVStoreConnectorMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        if self.save_enabled:
+            meta.saves = self._plan_saves(scheduler_output)
+        return meta
+
+    def _plan_saves(self, so: SchedulerOutput) -> list[BlockTransfer]:
+        before: dict[str, int] = {}
+        for new in so.scheduled_new_reqs:
+            self._state(new.req_id, new.prompt_token_ids)
+            before[new.req_id] = new.num_computed_tokens
+        cached = so.scheduled_cached_reqs
+        before.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        block_state = so.kv_connector_block_state
+        saves = []
+        for req_id, n_new in so.num_scheduled_tokens.items():
+            st = self._reqs.get(req_id)
+            if st is None or block_state is None or st.planned >= len(st.keys):
+                continue
+            done = min(len(st.keys), (before.get(req_id, 0) + n_new) // self.block_size)
+            page_ids = block_state.get_block_ids(req_id)
+            if done <= st.planned or not page_ids:
+                continue
+            ids = page_ids[0]
+            saves.append(BlockTransfer(req_id, st.keys[st.planned : done], ids[st.planned : done]))
+            st.planned = done
+        return saves
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """After a failed load, plan the save of the recomputed blocks again."""
+        bad = connector_output.invalid_block_ids
+        if not bad:
+            return
+        for st in self._reqs.values():
+            failed = [i for page, i in st.loaded.items() if page in bad]
+            if failed:
+                st.planned = min(st.planned, min(failed))
+                st.loaded = {p: i for p, i in st.loaded.items() if i < min(failed)}
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Saves are synchronous, so vLLM may free the blocks at once."""
+        self._reqs.pop(request.request_id, None)
+        return False, None
+
+    # -- worker side ----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Bind vLLM's paged tensors, in the layer order the namespace counts."""
+        names = self._kv_cache_config.kv_cache_groups[0].layer_names
+        self._paged = PagedKV(
+            [kv_caches[n] for n in names],
+            self.namespace.kv_layout,
+            keys_transposed=self._keys_transposed,
+        )
+        self._paged.reserve(self.config.max_blocks_per_call)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Copy this step's hits into their pages before the forward runs."""
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVStoreConnectorMetadata)
+        for t in meta.loads:
+            self._load(t)
+
+    def _load(self, t: BlockTransfer) -> None:
+        paged = self._paged
+        assert paged is not None, "register_kv_caches was not called"
+        for part in _chunks(len(t.keys), self.config.max_blocks_per_call):
+            keys, ids = t.keys[part], t.block_ids[part]
+            buf = paged.staging(len(keys))
+            got = self.store.get_into(keys, [buf[i] for i in range(len(keys))])
+            good = got.index(False) if False in got else len(got)
+            paged.scatter(buf[:good], ids[:good])
+            self.stats.loaded_blocks += good
+            if good < len(keys):
+                failed = t.block_ids[part.start + good :]
+                self._load_errors.update(failed)
+                self._failed_reqs.add(t.req_id)
+                self.stats.failed_blocks += len(failed)
+                if self.store.available:  # the store answered: these keys are bad or gone
+                    self.store.remove([k for k, ok in zip(keys, got, strict=True) if not ok])
+                return
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads finish in start_load_kv (a stored block holds every layer)."""
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        """Saves happen in wait_for_save, once every layer of a block is computed."""
+
+    def wait_for_save(self) -> None:
+        """Write the step's completed prompt blocks (the scheduler left out those the
+        store held at lookup; the store skips the copy of any other it already has)."""
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVStoreConnectorMetadata)
+        # A request whose load failed this step attended to pages that were never
+        # filled, so none of its new KV may be saved.
+        saves = [t for t in meta.saves if t.req_id not in self._failed_reqs]
+        self._failed_reqs.clear()
+        keys = [k for t in saves for k in t.keys]
+        ids = [b for t in saves for b in t.block_ids]
+        if not keys:
+            return
+        paged = self._paged
+        assert paged is not None, "register_kv_caches was not called"
+        for part in _chunks(len(keys), self.config.max_blocks_per_call):
+            if not self.store.available:
+                return  # the store is down: these blocks stay unsaved
+            blocks = paged.gather(ids[part])
+            new, present = self.store.put(keys[part], [blocks[j] for j in range(len(blocks))])
+            self.stats.saved_blocks += new
+            self.stats.present_blocks += present
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Pages promised by the scheduler that were not filled; vLLM recomputes them."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        """Close the store client; log what this side did."""
+        logger.info("KVStoreConnector (%s) stats: %s", self.role.name.lower(),
+                    self.stats.as_dict())  # fmt: skip
+        self.store.close()
+
+
+def _require_recompute(transfer_config: Any) -> None:
+    """Make a failed load cost a recompute, not the request (vLLM's default fails it).
+
+    The scheduler reads the policy right after creating its connector, so setting it
+    here takes effect. An explicit ``"fail"`` cannot be told from the default, hence
+    the warning.
+    """
+    if getattr(transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
+        logger.warning(
+            "KVStoreConnector: setting kv_load_failure_policy='recompute' (was %r) so that "
+            "a store miss, corrupt block or outage recomputes instead of failing requests",
+            transfer_config.kv_load_failure_policy,
+        )
+        transfer_config.kv_load_failure_policy = "recompute"
