@@ -102,6 +102,19 @@ def _is_torch(value: Any) -> bool:
     return type(value).__module__.startswith("torch") and hasattr(value, "untyped_storage")
 
 
+_DTYPE_NAMES: dict[np.dtype, str] = {}
+
+
+def _np_dtype_name(dt: np.dtype) -> str:
+    """``dt.name``, memoized: numpy computes it in Python (~5 us) on every access."""
+    name = _DTYPE_NAMES.get(dt)
+    if name is None:
+        name = dt.name
+        if len(_DTYPE_NAMES) < 256:
+            _DTYPE_NAMES[dt] = name
+    return name
+
+
 def describe(value: Any) -> ValueInfo:
     """Dtype, shape and kind of a torch tensor, numpy array or bytes-like value."""
     if _is_torch(value):
@@ -114,7 +127,7 @@ def describe(value: Any) -> ValueInfo:
             dtype, tuple(value.shape), KIND_TORCH, value.numel() * value.element_size()
         )
     elif isinstance(value, np.ndarray):
-        dtype = value.dtype.name
+        dtype = _np_dtype_name(value.dtype)
         if dtype not in _NUMPY_DTYPES:
             raise InvalidValue(f"unsupported array dtype {value.dtype}")
         if not value.flags.c_contiguous:

@@ -365,8 +365,11 @@ class StoreClient:
         assert pool is not None
 
         def attempt(deadline: float) -> T:
-            with pool.connection(deadline) as (conn, transport):
-                return fn(conn, transport, deadline)
+            link = pool.lend(deadline)
+            try:
+                return fn(link[0], link[1], deadline)
+            finally:
+                pool.give_back(link)
 
         return self._retry(attempt, self._deadline(timeout))
 

@@ -49,6 +49,10 @@ def out_landing(header: BlockHeader, out: Any) -> Landing:
         raise LayoutMismatch(f"output dtype {info.dtype} != stored {header.dtype}")
     if info.nbytes != header.payload_len:
         raise LayoutMismatch(f"output holds {info.nbytes} bytes, block has {header.payload_len}")
+    if isinstance(out, np.ndarray):  # first: the common case, and never a tensor
+        if not out.flags.writeable:
+            raise InvalidValue("output array is read-only")
+        return Landing(out.reshape(-1).view(np.uint8), _true)
     if _is_torch(out):
         import torch
 
@@ -62,10 +66,6 @@ def out_landing(header: BlockHeader, out: Any) -> Landing:
             return True
 
         return Landing(staging, to_device)
-    if isinstance(out, np.ndarray):
-        if not out.flags.writeable:
-            raise InvalidValue("output array is read-only")
-        return Landing(out.reshape(-1).view(np.uint8), _true)
     mv = memoryview(out)
     if mv.readonly:
         raise InvalidValue("output buffer is read-only (bytes): pass a bytearray")

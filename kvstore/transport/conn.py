@@ -41,6 +41,7 @@ class DataConn:
         self.fs = fs
         self.info = info
         self.pending: list[int] = []  # read leases to hand back (see defer_release)
+        self.idle_since = 0.0  # time.monotonic() when last returned to the pool
 
     @classmethod
     def open(

@@ -233,12 +233,23 @@ class _Session:
         self.fs.set_timeout(self.server.config.io_timeout_s)
         try:
             self.hello()
+            later: bytes | None = None  # a RELEASE that came ahead of a request
             while True:
                 try:
                     op, meta_len, body_len = self.fs.recv_header(idle=True)
                 except EOFError:
                     return
-                self.dispatch(op, self.fs.recv_bytes(meta_len), body_len)
+                meta = self.fs.recv_bytes(meta_len)
+                if op == Op.RELEASE and not body_len and later is None and self.fs.buffered:
+                    # piggybacked on a request that is already here: answer that first
+                    # and hand the leases back while the client copies (RELEASE has no
+                    # reply, so the client sees no difference but a shorter wait)
+                    later = meta
+                    continue
+                self.dispatch(op, meta, body_len)
+                if later is not None:
+                    meta, later = later, None
+                    self.dispatch(Op.RELEASE, meta, 0)
         except ProtocolError as exc:
             log.warning("data connection %d: %s", self.id, exc)
             _send_error(self.fs, exc)
@@ -267,18 +278,30 @@ class _Session:
         if body_len and op != Op.PUT:
             raise ProtocolError(f"op {Op(op).name} carries no payload, got {body_len} bytes")
         timed = _TIMED.get(op)
-        with self.gw.counters.time(*timed) if timed else contextlib.nullcontext():
-            try:
-                reply = handler(meta, body_len)
-            except ProtocolError:
+        if timed is None:
+            self._handle(handler, op, meta, body_len)
+            return
+        # timed inline: a generator context manager per request costs ~10% of a lease
+        t0 = time.perf_counter()
+        try:
+            self._handle(handler, op, meta, body_len)
+        finally:
+            self.gw.counters.observe(timed[0], timed[1], time.perf_counter() - t0)
+
+    def _handle(
+        self, handler: Callable[[bytes, int], Message | None], op: int, meta: bytes, body_len: int
+    ) -> None:
+        try:
+            reply = handler(meta, body_len)
+        except ProtocolError:
+            raise
+        except KVStoreError as exc:
+            if self.fs.broken:  # a socket failure: the stream is out of step
                 raise
-            except KVStoreError as exc:
-                if self.fs.broken:  # a socket failure: the stream is out of step
-                    raise
-                _send_error(self.fs, exc)  # the request failed as a whole; stream intact
-                return
-            if reply is not None:
-                self.fs.send(op | REPLY, reply.SerializeToString())
+            _send_error(self.fs, exc)  # the request failed as a whole; stream intact
+            return
+        if reply is not None:
+            self.fs.send(op | REPLY, reply.SerializeToString())
 
     # -- reads -------------------------------------------------------------------------
 

@@ -254,6 +254,11 @@ class FrameSocket:
     def _buffered(self) -> int:
         return self._r1 - self._r0
 
+    @property
+    def buffered(self) -> int:
+        """Received bytes not yet consumed (the start of a frame the peer already sent)."""
+        return self._r1 - self._r0
+
     def _fill(self, need: int, *, idle: bool = False, header: bool = False) -> None:
         """Buffer at least ``need`` bytes (``need`` <= the buffer size). An orderly close
         before the first byte of a header raises EOFError."""

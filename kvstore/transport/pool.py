@@ -45,8 +45,9 @@ class ConnPool:
     """Lends authenticated data connections with their transport.
 
     Concurrency: ``_lock`` (and ``_cond`` on it) guards ``_idle``, ``_segments``,
-    ``_server`` and ``_deferred``; ``_slots`` bounds connections in use. Connecting and
-    all I/O happen outside the lock. Read leases a connection still owes the server
+    ``_server``, ``_deferred``, ``_lent`` and ``_waiters``; ``_lent`` stays within
+    ``pool_size`` (callers beyond it wait on ``_cond``). Connecting and all I/O happen
+    outside the lock. Read leases a connection still owes the server
     (DataConn.defer_release) go out with its next request; a flusher thread, started on
     first need, sends them for connections left idle longer than RELEASE_DELAY_S, so an
     idle client pins nothing for long.
@@ -70,11 +71,13 @@ class ConnPool:
         self._tls = tls
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._deferred = False  # an idle connection owes read releases
+        self._deferred = False  # a connection owes read releases (the flusher watches)
+        self._lent = 0  # callers holding (or opening) a connection, at most _size
         self._flusher: threading.Thread | None = None
         self._idle: list[tuple[DataConn, Transport]] = []
         self._segments: dict[tuple[str, str], Segment] = {}
-        self._slots = threading.BoundedSemaphore(config.pool_size)
+        self._size = config.pool_size
+        self._waiters = 0  # callers waiting for a connection slot
         self._server = server  # where the data sockets are (None: ask with locate)
         self._tcp = TcpTransport(counters)
         self._closed = False
@@ -83,29 +86,60 @@ class ConnPool:
     @contextmanager
     def connection(self, deadline: float) -> Iterator[tuple[DataConn, Transport]]:
         """Lend a connection and its transport until the block ends."""
-        if not self._slots.acquire(timeout=max(deadline - time.monotonic(), 0)):
-            raise TimeoutError_(f"all {self.config.pool_size} data connections stayed busy")
-        link = None
+        link = self.lend(deadline)
         try:
-            with self._lock:
-                link = self._idle.pop() if self._idle else None
-            if link is None:
-                link = self._open(deadline)
             yield link
         finally:
-            if link is not None:
-                self._give_back(link)
-            self._slots.release()
+            self.give_back(link)
 
-    def _give_back(self, link: tuple[DataConn, Transport]) -> None:
+    def lend(self, deadline: float) -> tuple[DataConn, Transport]:
+        """A connection and its transport, for one caller until :meth:`give_back`
+        (what :meth:`connection` does, without a generator per call on the hot path)."""
+        with self._cond:
+            if self._lent >= self._size:
+                self._waiters += 1
+                try:
+                    while self._lent >= self._size:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            raise TimeoutError_(f"all {self._size} data connections stayed busy")
+                        self._cond.wait(left)
+                finally:
+                    self._waiters -= 1
+            self._lent += 1
+            link = self._idle.pop() if self._idle else None
+        if link is None:
+            try:
+                link = self._open(deadline)
+            except BaseException:
+                with self._cond:
+                    self._unlend_locked()
+                raise
+        return link
+
+    def give_back(self, link: tuple[DataConn, Transport]) -> None:
+        """Return a connection from :meth:`lend` (a broken one is closed instead)."""
+        self._give_back(link, lent=True)
+
+    def _unlend_locked(self) -> None:
+        self._lent -= 1
+        if self._waiters:
+            self._cond.notify_all()  # the flusher waits on it too: wake every waiter
+
+    def _give_back(self, link: tuple[DataConn, Transport], *, lent: bool = False) -> None:
         conn = link[0]
         with self._lock:
+            if lent:
+                self._unlend_locked()
             keep = conn.usable and not self._closed
             if keep:
+                conn.idle_since = time.monotonic()
                 self._idle.append(link)
-                if conn.pending:
+                if conn.pending and not self._deferred:
+                    # one wake-up when releases start to be owed, not one per call: a
+                    # busy caller's next request carries them (see _flush_loop)
                     self._deferred = True
-                    self._cond.notify()
+                    self._cond.notify_all()
                     if self._flusher is None:
                         self._flusher = threading.Thread(
                             target=self._flush_loop, name="kvstore-release", daemon=True
@@ -115,18 +149,35 @@ class ConnPool:
             conn.close()
 
     def _flush_loop(self) -> None:
-        """Send the releases of connections that stay idle (see RELEASE_DELAY_S)."""
+        """Send the releases of connections idle for RELEASE_DELAY_S or longer.
+
+        Only a connection that has sat idle that long is taken out of ``_idle``: one in
+        steady use is never borrowed from under its caller (which would make the
+        caller open another connection), and its releases go with its next request.
+        """
+        delay = self.RELEASE_DELAY_S
         while True:
             with self._cond:
-                while not self._closed and not self._deferred:
-                    self._cond.wait()
                 if self._closed:
                     return
-            time.sleep(self.RELEASE_DELAY_S)  # the next request usually carries them
-            with self._lock:
-                due = [link for link in self._idle if link[0].pending]
-                self._idle = [link for link in self._idle if not link[0].pending]
-                self._deferred = False
+                if not self._deferred:
+                    self._cond.wait()
+                    continue
+                owing = [link for link in self._idle if link[0].pending]
+                if not owing:
+                    if self._lent:  # may come back owing: look again, without a wake-up
+                        self._cond.wait(delay)
+                    else:
+                        self._deferred = False  # set again by the next return owing
+                    continue
+                now = time.monotonic()
+                due = [link for link in owing if now - link[0].idle_since >= delay]
+                if not due:
+                    oldest = min(link[0].idle_since for link in owing)
+                    self._cond.wait(max(oldest + delay - now, 0.0005))
+                    continue
+                taken = {id(link) for link in due}
+                self._idle = [link for link in self._idle if id(link) not in taken]
             for link in due:
                 # a broken connection is closed by _give_back, which ends its leases
                 with contextlib.suppress(KVStoreError):
