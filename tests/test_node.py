@@ -288,3 +288,21 @@ def test_evict_where_plans_filters_and_skips_pins(node: StoreNode) -> None:
     dropped = node.evict_where(TierKind.SSD, 0, BlockFilter(namespaces=frozenset()))
     assert dropped.moved == 0  # an empty set of namespaces matches nothing
     assert node.evict_where(TierKind.SSD, 0).dropped == 6
+
+
+def test_configured_shm_name_survives_a_crashed_predecessor(tmp_path: Path) -> None:
+    """A node killed before it could unlink leaves its segment; a restart under the same
+    configured name replaces it instead of failing to start."""
+    import os
+
+    name = f"kvstore-test-{os.getpid()}-restart"
+    leftover = Path("/dev/shm") / name
+    leftover.write_bytes(b"\xff" * 4096)  # what a SIGKILLed node leaves behind
+    try:
+        with StoreNode(node_id="r", dram_bytes=1 << 20, shm_name=name) as n:
+            assert n.shm_name == name
+            n.put(_keys(1)[0], _block(0))
+            assert torch.equal(n.get(_keys(1)[0]), _block(0))
+        assert not leftover.exists()  # a clean close unlinks it
+    finally:
+        leftover.unlink(missing_ok=True)

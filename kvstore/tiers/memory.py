@@ -85,6 +85,11 @@ class MemoryTier(Tier):
         self.shm_name: str | None = None
         if kind is TierKind.DRAM:
             self.shm_name = shm_name or f"kvstore-{os.getpid()}-{secrets.token_hex(4)}"
+            if shm_name:
+                # A configured name belongs to this node: a segment left under it is the
+                # previous incarnation's (killed before it could unlink), so replace it.
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(SHM_DIR, shm_name))
             self._mm = map_segment(self.shm_name, self._alloc.capacity, create=True)
             self._host = np.frombuffer(self._mm, dtype=np.uint8)
             if warm:
