@@ -24,7 +24,6 @@ timeout; others are raised at once. Batch calls report each key's own outcome.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import random
 import ssl
@@ -104,13 +103,7 @@ class StoreClient:
         config: ClientConfig | None = None,
         **overrides: Any,
     ) -> None:
-        if config is None:
-            config = ClientConfig.load(**overrides)
-        elif overrides:
-            config = dataclasses.replace(config, **overrides)
-        if token is not None:
-            config = dataclasses.replace(config, token=token)
-        self.config = config
+        self.config = ClientConfig.resolve(config, token, **overrides)
         self.address = address
         self.host, self.port = _split_address(address)
         self.namespace = namespace

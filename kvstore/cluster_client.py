@@ -81,19 +81,13 @@ class ClusterClient:
         directory: Callable[[], Directory] | None = None,
         **overrides: Any,
     ) -> None:
-        if config is None:
-            config = ClientConfig.load(**overrides)
-        elif overrides:
-            config = dataclasses.replace(config, **overrides)
-        if token is not None:
-            config = dataclasses.replace(config, token=token)
-        self.config = config
+        self.config = ClientConfig.resolve(config, token, **overrides)
         self.endpoint, self.cluster = endpoint, cluster
         self.namespace = namespace
         self.node_id = node_id
         self.counters = NodeCounters()  # node_failures, fallbacks, served.<node>
         self._bg = BackgroundDirectory(
-            directory or self._etcd_factory, timeout=config.connect_timeout_s
+            directory or self._etcd_factory, timeout=self.config.connect_timeout_s
         )
         self._mirror: Mirror | None = None
         self._members: Members | None = None

@@ -309,6 +309,20 @@ class ClientConfig:
         """Defaults, then ``KVSTORE_<FIELD>`` variables, then explicit overrides."""
         return load_layered(cls, env=env, flags=overrides)
 
+    @classmethod
+    def resolve(
+        cls, config: ClientConfig | None, token: str | None, **overrides: Any
+    ) -> ClientConfig:
+        """What a client constructor was given: a config (or the environment), then
+        keyword overrides, then an explicit token."""
+        if config is None:
+            config = cls.load(**overrides)
+        elif overrides:
+            config = dataclasses.replace(config, **overrides)
+        if token is not None:
+            config = dataclasses.replace(config, token=token)
+        return config
+
 
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:
