@@ -8,7 +8,9 @@ are one line plus a hint, exit code 1; ``--json`` prints one document for script
 Tables and progress go to a rich console sized to the terminal (80 columns fit).
 
 Nodes are named by address; naming them by node id needs the cluster directory
-(kvstore/cluster_client.py) and is not wired here yet.
+(kvstore/cluster_client.py) and is not wired here yet. A drain of a clustered node
+marks its directory record ``draining`` before the call returns (``kvstore nodes``
+shows it), so cluster clients put elsewhere while its blocks move out.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from kvstore.errors import ConfigError, InvalidValue, KVStoreError, PermissionDe
 from kvstore.fmt import fmt_bytes
 from kvstore.stats_view import count, render, summarize
 
-__all__ = ["add_parser", "parse_duration", "parse_target"]
+__all__ = ["add_parser", "connect", "parse_duration", "parse_target"]
 
 DEFAULT_NODE = "127.0.0.1:7400"
 _HINTS = {
@@ -135,7 +137,7 @@ def _error(name: str, exc: KVStoreError, where: str = "") -> None:
     print(f"hint: {hint}", file=sys.stderr)
 
 
-def _connect(address: str, args: argparse.Namespace, *, admin: str = "") -> StoreClient:
+def connect(address: str, args: argparse.Namespace, *, admin: str = "") -> StoreClient:
     """An open client of one node; with ``admin`` set, refuse a non-admin token early."""
     cfg = ClientConfig.load(
         token=args.token, timeout_s=args.timeout, connect_timeout_s=min(args.timeout, 5.0)
@@ -168,7 +170,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     docs, errors = [], []
     for address in args.node or [DEFAULT_NODE]:
         try:
-            with _connect(address, args) as c:
+            with connect(address, args) as c:
                 info = c.server_info
                 if args.tenant and args.tenant != info.get("tenant") and not info.get("admin"):
                     raise PermissionDenied("a tenant token reads only its own tenant's stats")
@@ -237,7 +239,7 @@ def _cmd_evict(args: argparse.Namespace) -> int:
     results, status = [], 0
     for address in args.node or [DEFAULT_NODE]:
         try:
-            with _connect(address, args, admin="evict") as c:
+            with connect(address, args, admin="evict") as c:
                 tier = c.stats()["tiers"].get(args.tier)
                 if tier is None:
                     raise InvalidValue(f"node {address} has no {args.tier} tier")
@@ -293,7 +295,7 @@ def _print_evict(r: dict[str, Any]) -> None:
 def _cmd_drain(args: argparse.Namespace) -> int:
     from kvstore.drain import drain_node
 
-    with _connect(args.address, args, admin="drain") as source:
+    with connect(args.address, args, admin="drain") as source:
         if args.undo:
             source.drain(False)
             print(f"{args.address}: takes writes again", file=sys.stderr)
@@ -302,7 +304,7 @@ def _cmd_drain(args: argparse.Namespace) -> int:
             return 0
         if not args.to and not args.drop:
             raise ConfigError("give --to ADDR to move the blocks, or --drop to drop them")
-        targets = [_connect(a, args, admin="drain") for a in args.to]
+        targets = [connect(a, args, admin="drain") for a in args.to]
         try:
             if args.json:
                 report = drain_node(source, targets, drop=args.drop)

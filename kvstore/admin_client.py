@@ -88,11 +88,38 @@ class AdminClient:
         return out
 
     def scan(
-        self, limit: int, tier: str = "", *, timeout: float | None = None
+        self,
+        limit: int,
+        tier: str = "",
+        *,
+        tenant: str = "",
+        model: str = "",
+        key_prefix: bytes = b"",
+        timeout: float | None = None,
     ) -> list[StoredBlock]:
-        """Up to ``limit`` stored blocks, in no particular order."""
-        r = self.client.control("Scan", pb.ScanRequest(limit=limit, tier=tier), timeout=timeout)
-        return [StoredBlock(b.key, b.tier, int(b.size)) for b in r.blocks]
+        """Up to ``limit`` stored blocks, in no particular order; ``tenant``, ``model``
+        and ``key_prefix`` narrow them as they narrow :meth:`evict`."""
+        return self.scan_page(
+            limit, tier, tenant=tenant, model=model, key_prefix=key_prefix, timeout=timeout
+        )[0]
+
+    def scan_page(
+        self,
+        limit: int,
+        tier: str = "",
+        *,
+        tenant: str = "",
+        model: str = "",
+        key_prefix: bytes = b"",
+        timeout: float | None = None,
+    ) -> tuple[list[StoredBlock], bool]:
+        """:meth:`scan`, and whether more blocks matched than came back (the server
+        caps one reply at a few thousand)."""
+        req = pb.ScanRequest(
+            limit=limit, tier=tier, tenant=tenant, model=model, key_prefix=key_prefix
+        )
+        r = self.client.control("Scan", req, timeout=timeout)
+        return [StoredBlock(b.key, b.tier, int(b.size)) for b in r.blocks], bool(r.more)
 
     def export(
         self, keys: Sequence[bytes], *, timeout: float | None = None

@@ -40,6 +40,7 @@ from kvstore.stats import NodeCounters
 from kvstore.tiers.base import Tier, TierKind
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.memory import MemoryTier
+from kvstore.tiers.shm_index import IndexWriter
 
 __all__ = ["TierChain"]
 
@@ -76,6 +77,25 @@ class TierChain:
         self.index: dict[bytes, _Entry] = {}
         self.tiers: list[Tier] = []
         self.policies: list[EvictionPolicy] = []
+        self.published: IndexWriter | None = None  # same-host readers' DRAM index
+
+    def publish_dram(self, writer: IndexWriter) -> None:
+        """Keep ``writer`` (the shared-memory index of the DRAM tier) in step with the
+        index from now on, starting with every block DRAM holds now."""
+        with self.lock:
+            self.published = writer
+            for e in self.index.values():
+                self._publish_locked(e)
+
+    def _publish_locked(self, e: _Entry) -> None:
+        if self.published is not None and self.tiers[e.level].kind is TierKind.DRAM:
+            self.published.publish(e.key, e.offset)
+
+    def _unpublish_locked(self, e: _Entry) -> None:
+        """Before a DRAM extent is left (freed now or at the last unpin): readers
+        that copy without a pin check the index after copying (tiers/shm_index.py)."""
+        if self.published is not None and self.tiers[e.level].kind is TierKind.DRAM:
+            self.published.unpublish(e.key)
 
     def add_tier(self, tier: Tier) -> None:
         """Append a tier below the existing ones, with its own policy instance."""
@@ -113,6 +133,22 @@ class TierChain:
             self.counters.inc(f"hits_{self.tiers[e.level].kind.value}")
             return e, e.level, e.offset
 
+    def touch(self, keys: list[bytes]) -> int:
+        """Count reads that happened without a pin (published-index readers copy from
+        DRAM) as DRAM hits and refresh each block's place in the eviction order;
+        returns how many of the blocks are still stored."""
+        now = time.monotonic()
+        found = 0
+        with self.lock:
+            self.counters.inc("hits_dram", len(keys))
+            for key in keys:
+                e = self.index.get(key)
+                if e is not None:
+                    e.used_at = now
+                    self.policies[e.level].touch(key)
+                    found += 1
+        return found
+
     def release(self, e: _Entry) -> None:
         """Unpin; storage left behind by moves or removals is freed at the last unpin."""
         with self.lock:
@@ -136,6 +172,7 @@ class TierChain:
         if self.index.get(e.key) is e:
             del self.index[e.key]
         e.gone = True
+        self._unpublish_locked(e)
         self.policies[e.level].remove(e.key)
         self.events.put(BlockRemoved(e.key, self.tiers[e.level].kind))
         e.stale.append((e.level, e.offset))
@@ -200,8 +237,10 @@ class TierChain:
                 elif new_offset is not None:
                     self._discard_locked(e.key, dst_level, new_offset)
                 return
+            self._unpublish_locked(e)
             e.stale.append((src_level, e.offset))
             e.level, e.offset = dst_level, new_offset
+            self._publish_locked(e)
             self.policies[dst_level].insert(e.key, e.size)
             self.events.put(BlockMoved(e.key, src.kind, self.tiers[dst_level].kind))
             self.counters.inc(f"demotions_{src.kind.value}")
@@ -281,6 +320,7 @@ class TierChain:
             self.policies[level].remove(e.key)
             e.stale.append((level, -1))
             e.level, e.offset = 0, off
+            self._publish_locked(e)
             self.policies[0].insert(e.key, e.size)
             self.events.put(BlockMoved(e.key, TierKind.SSD, top.kind))
             self.counters.inc("promotions")
@@ -383,15 +423,18 @@ class TierChain:
         return True
 
     def scan(
-        self, limit: int, tier: TierKind | None = None
+        self, limit: int, tier: TierKind | None = None, flt: BlockFilter | None = None
     ) -> list[tuple[BlockKey, TierKind, int]]:
         """Up to ``limit`` blocks as (key, tier, size), oldest stored first (dict order):
-        cheap per call, so a drain that removes what it moved can page through a node."""
+        cheap per call, so a drain that removes what it moved can page through a node.
+        ``flt`` (namespaces, key prefix, idle time) narrows it, for ``kvstore ls``."""
+        now = time.monotonic()
         with self.lock:
             rows = (
                 (BlockKey(k), self.tiers[e.level].kind, e.size)
                 for k, e in self.index.items()
-                if tier is None or self.tiers[e.level].kind is tier
+                if (tier is None or self.tiers[e.level].kind is tier)
+                and (flt is None or flt.matches(k, e.header.namespace_fp, e.used_at, now))
             )
             return list(itertools.islice(rows, limit))
 
@@ -399,7 +442,8 @@ class TierChain:
 
     def insert_locked(self, key: bytes, level: int, offset: int, size: int, h: BlockHeader) -> None:
         """Make a committed block visible (caller holds the lock, key not present)."""
-        self.index[key] = _Entry(key, level, offset, size, h, used_at=time.monotonic())
+        e = self.index[key] = _Entry(key, level, offset, size, h, used_at=time.monotonic())
+        self._publish_locked(e)
         self.policies[level].insert(key, size)
         self.events.put(BlockStored(key, self.tiers[level].kind, size, h.namespace_fp))
 
@@ -436,6 +480,10 @@ class TierChain:
         return per, pinned
 
     def close(self) -> None:
-        """Close every tier; idempotent."""
+        """Close every tier (and the published index first); idempotent."""
+        with self.lock:
+            writer, self.published = self.published, None
+        if writer is not None:
+            writer.close()
         for t in self.tiers:
             t.close()

@@ -308,7 +308,13 @@ class StoreClient:
         return int(self._rpc("Remove", req, timeout).removed)
 
     def stats(self, *, timeout: float | None = None) -> dict[str, Any]:
-        """Node stats (tiers, counters) plus server counters under ``"server"``."""
+        """Node stats (tiers, counters) plus server counters under ``"server"``.
+
+        Reads this client served from the published index are reported first, so the
+        counters include everything it read before the call."""
+        self._check_open()
+        if self._pool is not None:
+            self._pool.settle(self._deadline(timeout))
         return stats_from_proto(self._rpc("Stats", pb.StatsRequest(), timeout))
 
     def health(self, *, timeout: float | None = None) -> str:

@@ -3,8 +3,14 @@
 ``up`` runs a :class:`~kvstore.local_cluster.LocalCluster` until Ctrl-C or SIGTERM.
 ``nodes`` and ``ls`` read the directory the way a client does (one full listing into
 a mirror; no node is contacted), so they work while nodes are down and show exactly
-what clients would route by. Block keys in ``ls`` are the keys nodes store: each
-tenant's keys are scoped hashes (kvstore/auth.py), not the keys a client sent.
+what clients would route by (``nodes`` says which are draining: clients write
+elsewhere). Block keys in ``ls`` are the keys nodes store: each tenant's keys are
+scoped hashes (kvstore/auth.py), not the keys a client sent.
+
+Directory entries carry no namespace, so ``ls --tenant``/``--namespace`` asks every
+live node instead, through the admin Scan RPC (an admin token, as ``kvstore evict``
+needs): each node resolves the tenant and model to the namespaces it has seen
+written since it started, exactly as an eviction with the same filters would.
 
 Tables fit 80 columns; ``--json`` prints one JSON document instead.
 """
@@ -15,6 +21,7 @@ import argparse
 import asyncio
 import json
 import signal
+import sys
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -22,12 +29,30 @@ from typing import Any, TypeVar
 from kvstore.config import ClusterConfig, load_layered
 from kvstore.directory.base import NodeInfo, Replica
 from kvstore.directory.mirror import Mirror
-from kvstore.errors import ConfigError
+from kvstore.errors import AuthError, ConfigError, KVStoreError, PermissionDenied
 from kvstore.fmt import fmt_bytes
 
 __all__ = ["add_parser"]
 
 T = TypeVar("T")
+SCAN_MAX = 4096  # blocks one node lists per Scan (kvstore/maintenance.py caps it there)
+
+_NODES_EXAMPLE = """\
+examples:
+  kvstore nodes --etcd 127.0.0.1:2379 --cluster c1
+  kvstore nodes --json | jq '.nodes[] | select(.draining) | .node_id'
+
+A draining node ('kvstore drain') takes no new writes; clients still read from it.
+"""
+_LS_EXAMPLE = """\
+examples:
+  kvstore ls --node a --prefix 3f2a --limit 20        # from the directory only
+  kvstore ls --namespace llama-3-8b --tenant acme     # asks each node (admin token)
+  KVSTORE_TOKEN=... kvstore ls --model llama-3-8b --tier ssd --json
+
+Keys are stored keys (tenant-scoped hashes). --tenant/--namespace select blocks
+written with a model scope since each node started, as 'kvstore evict' does.
+"""
 
 
 def add_parser(sub: Any) -> None:
@@ -54,19 +79,41 @@ def add_parser(sub: Any) -> None:
     up.add_argument("--json", action="store_true", help="print the ready document as JSON")
     up.set_defaults(func=_cmd_up)
 
-    for name, helptext, fn in (
-        ("nodes", "list the nodes registered in a cluster's directory", _cmd_nodes),
-        ("ls", "list block entries of a cluster's directory", _cmd_ls),
+    for name, helptext, example, fn in (
+        ("nodes", "list the nodes registered in a cluster's directory", _NODES_EXAMPLE, _cmd_nodes),
+        ("ls", "list block entries of a cluster's directory", _LS_EXAMPLE, _cmd_ls),
     ):
-        p = sub.add_parser(name, help=helptext, description=helptext + ".")
+        p = sub.add_parser(
+            name,
+            help=helptext,
+            description=helptext + ".",
+            epilog=example,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         p.add_argument("--etcd", help="etcd HOST:PORT (default: KVSTORE_ETCD or 127.0.0.1:2379)")
         p.add_argument("--cluster", help="cluster name (default: KVSTORE_CLUSTER or 'default')")
         p.add_argument("--json", action="store_true", help="print JSON instead of a table")
         p.set_defaults(func=fn)
         if name == "ls":
-            p.add_argument("--node", help="only this node's entries")
+            p.add_argument("--node", help="only this node's entries (node id)")
             p.add_argument("--prefix", default="", help="only keys starting with these hex digits")
+            p.add_argument("--tier", choices=("hbm", "dram", "ssd"), help="only this tier")
             p.add_argument("--limit", type=int, default=100, help="at most K rows (0: all)")
+            p.add_argument("--tenant", default="", help="only this tenant's blocks (asks nodes)")
+            p.add_argument(
+                "--namespace",
+                "--model",
+                dest="namespace",
+                default="",
+                metavar="MODEL",
+                help="only this model's blocks (asks nodes)",
+            )
+            p.add_argument(
+                "--token", help="admin token for --tenant/--namespace (default: KVSTORE_TOKEN)"
+            )
+            p.add_argument(
+                "--timeout", type=float, default=10.0, help="seconds per node call (default 10)"
+            )
 
 
 # -- up ------------------------------------------------------------------------------------
@@ -181,6 +228,7 @@ def _node_doc(info: NodeInfo, blocks: int, nbytes: int) -> dict[str, Any]:
         "host_id": info.host_id,
         "epoch": f"{info.epoch:x}",
         "tiers": {t.value: cap for t, cap in info.tiers.items()},
+        "draining": info.draining,
         "blocks": blocks,
         "bytes": nbytes,
     }
@@ -199,37 +247,101 @@ def _cmd_nodes(args: argparse.Namespace) -> int:
         ("address", "left"),
         ("host", "left"),
         ("tiers", "left"),
+        ("state", "left"),
         ("blocks", "right"),
         ("bytes", "right"),
     ):
         t.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]
     for r in rows:
         tiers = " ".join(f"{k}:{fmt_bytes(v).replace(' ', '')}" for k, v in r["tiers"].items())
+        state = "[yellow]draining[/]" if r["draining"] else "serving"
         t.add_row(
-            r["node_id"], r["address"], r["host"], tiers, str(r["blocks"]), fmt_bytes(r["bytes"])
+            r["node_id"],
+            r["address"],
+            r["host"],
+            tiers,
+            state,
+            str(r["blocks"]),
+            fmt_bytes(r["bytes"]),
         )
     _print(t)
     return 0
 
 
-def _entries(
-    args: argparse.Namespace,
-) -> Callable[[Mirror], tuple[int, list[tuple[bytes, Replica]]]]:
-    prefix = args.prefix.lower()
+def _hex_prefix(args: argparse.Namespace) -> str:
+    prefix = str(args.prefix).lower()
     if prefix and any(c not in "0123456789abcdef" for c in prefix):
         raise ConfigError(f"prefix {args.prefix!r}: give hex digits")
     if args.limit < 0:
         raise ConfigError("limit: must be >= 0")
+    return prefix
+
+
+def _entries(
+    args: argparse.Namespace,
+) -> Callable[[Mirror], tuple[int, list[tuple[bytes, Replica]]]]:
+    prefix = _hex_prefix(args)
 
     def pick(m: Mirror) -> tuple[int, list[tuple[bytes, Replica]]]:
-        rows = [(k, r) for k, r in m.entries(args.node) if k.hex().startswith(prefix)]
+        rows = [
+            (k, r)
+            for k, r in m.entries(args.node)
+            if k.hex().startswith(prefix) and args.tier in (None, r.tier.value)
+        ]
         rows.sort(key=lambda e: (e[0], e[1].node_id))
         return len(rows), rows[: args.limit] if args.limit else rows
 
     return pick
 
 
+def _scan_nodes(
+    args: argparse.Namespace, nodes: dict[str, NodeInfo]
+) -> tuple[list[dict[str, Any]], list[str], list[dict[str, str]]]:
+    """Ask each node (``--node``: that one) for its blocks matching the filters, via
+    the admin Scan RPC. Returns the rows, the nodes that had more than one reply
+    holds, and per-node errors (a down node is reported, the others still listed)."""
+    from kvstore.admin import connect
+    from kvstore.admin_client import AdminClient
+
+    prefix = _hex_prefix(args)
+    wire_prefix = bytes.fromhex(prefix[: len(prefix) // 2 * 2])  # odd digit: checked here
+    if args.node and args.node not in nodes:
+        raise ConfigError(f"node {args.node!r} is not registered in this cluster")
+    rows: list[dict[str, Any]] = []
+    more: list[str] = []
+    errors: list[dict[str, str]] = []
+    for node_id, info in sorted(nodes.items()):
+        if args.node and node_id != args.node:
+            continue
+        try:
+            with connect(info.address, args, admin="ls --tenant/--namespace") as c:
+                blocks, truncated = AdminClient(c).scan_page(
+                    SCAN_MAX,
+                    args.tier or "",
+                    tenant=args.tenant,
+                    model=args.namespace,
+                    key_prefix=wire_prefix,
+                    timeout=args.timeout,
+                )
+        except (ConfigError, AuthError, PermissionDenied):
+            raise  # the token's fault, not the node's: one error, not one per node
+        except KVStoreError as exc:
+            errors.append({"node": node_id, "code": exc.code, "error": str(exc)})
+            continue
+        if truncated:
+            more.append(node_id)
+        rows += [
+            {"key": b.key.hex(), "node": node_id, "tier": b.tier, "size": b.size}
+            for b in blocks
+            if b.key.hex().startswith(prefix)
+        ]
+    rows.sort(key=lambda d: (d["key"], d["node"]))
+    return rows, more, errors
+
+
 def _cmd_ls(args: argparse.Namespace) -> int:
+    if args.tenant or args.namespace:
+        return _ls_nodes(args)
     cfg, (total, rows) = _read(args, _entries(args))
     docs: list[dict[str, Any]] = [
         {"key": k.hex(), "node": r.node_id, "tier": r.tier.value, "size": r.size} for k, r in rows
@@ -237,17 +349,43 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"cluster": cfg.cluster, "total": total, "entries": docs}))
         return 0
+    _print_entries(f"cluster {cfg.cluster}: {len(docs)} of {total} entries", docs)
+    return 0
+
+
+def _ls_nodes(args: argparse.Namespace) -> int:
+    """``ls --tenant/--namespace``: the nodes' own listings, filtered by namespace."""
+    _hex_prefix(args)  # a bad --prefix or --limit fails before etcd is asked
+    cfg, nodes = _read(args, lambda m: m.nodes())
+    rows, more, errors = _scan_nodes(args, nodes)
+    total = len(rows)
+    docs = rows[: args.limit] if args.limit else rows
+    scope = " ".join(
+        f"{k} {v}" for k, v in (("tenant", args.tenant), ("namespace", args.namespace)) if v
+    )
+    if args.json:
+        doc = {"cluster": cfg.cluster, "tenant": args.tenant, "namespace": args.namespace}
+        doc.update(total=total, entries=docs, more=more, errors=errors)
+        print(json.dumps(doc))
+        return 1 if errors else 0
+    lines = [f"  more on {n} than one listing holds: narrow with --prefix/--tier" for n in more]
+    _print_entries(f"cluster {cfg.cluster}, {scope}: {len(docs)} of {total} blocks", docs, *lines)
+    for e in errors:
+        print(f"kvstore ls: error ({e['node']}): {e['error']}", file=sys.stderr)
+    return 1 if errors else 0
+
+
+def _print_entries(title: str, docs: list[dict[str, Any]], *lines: str) -> None:
     from rich.table import Table
 
-    t = Table(title=f"cluster {cfg.cluster}: {len(docs)} of {total} entries", title_justify="left")
+    t = Table(title=title, title_justify="left")
     t.add_column("key", no_wrap=True)
     t.add_column("node", overflow="fold")
     t.add_column("tier")
     t.add_column("size", justify="right")
     for d in docs:
         t.add_row(d["key"], d["node"], d["tier"], fmt_bytes(d["size"]))
-    _print(t)
-    return 0
+    _print(t, *lines)
 
 
 def _print(*items: Any) -> None:

@@ -11,7 +11,8 @@ StoreClient's, answered cluster-wide:
   matching, and a cache-aware scheduler, work): the ``node_id`` given, else a node
   on this kernel (same boot id), else any; ties broken by rendezvous hashing of this
   process's identity, so clients spread over nodes but each is stable. A dead node
-  passes the write to the next in that order.
+  passes the write to the next in that order; a draining node (its directory record
+  says so) is skipped, so the writer moves off it as soon as the mirror sees the drain.
 - **gets** go to the nearest replica the mirror knows (same host before other hosts;
   HBM before DRAM before SSD) and fall back to the next one on a miss, a dead node or
   a failed transfer; keys held by different nodes are fetched from them in parallel.

@@ -12,6 +12,8 @@ asking right now:
 - the write node is chosen once and kept while it lives: the ``node_id`` asked for,
   else a node on this kernel (same boot id), else any, ties broken by rendezvous
   hashing of this process's identity, so clients spread but each stays put;
+- a node whose record says ``draining`` (``kvstore drain``) is never chosen for
+  writes, the ``node_id`` asked for included; it is still read from, until empty;
 - the tenant scope of directory keys is learned from the first node that opens.
 """
 
@@ -130,8 +132,8 @@ class Members:
     def write_order(self) -> list[str]:
         """Usable nodes to write to, best first: the current writer while it lives and
         nothing better appeared, the ``node_id`` asked for, nodes on this kernel, the
-        rest (rendezvous order)."""
-        nodes = self.mirror.nodes()
+        rest (rendezvous order). Draining nodes are left out."""
+        nodes = {n: info for n, info in self.mirror.nodes().items() if not info.draining}
 
         def rank(n: str) -> tuple[bool, bool, bytes]:
             local = bool(self._host_id) and nodes[n].host_id == self._host_id
@@ -243,7 +245,8 @@ class Members:
         (None while no node can be reached)."""
         if self._principal is not None:
             return self._principal
-        for node_id in self.write_order():
+        draining = sorted(n for n, info in self.mirror.nodes().items() if info.draining)
+        for node_id in self.write_order() + [n for n in draining if self.usable(n)]:
             try:
                 self.client(node_id)
             except NODE_FAILURES as exc:

@@ -272,6 +272,9 @@ class ClientConfig:
         verify_shm: also xxh3-check blocks copied out of shared memory (about 18 us per
             MiB). Off by default: the lease deadline already proves the copy was pinned
             (and checksums are used anyway when the server's clock is not this one).
+        shm_direct: same-host reads of DRAM blocks find them in the server's published
+            index and copy without a lease round trip (kvstore/tiers/shm_index.py);
+            off: every shm read takes a lease first.
         max_message_bytes: largest gRPC message this client accepts.
     """
 
@@ -286,6 +289,7 @@ class ClientConfig:
     tls_server_name: str = ""
     pool_size: int = 8
     verify_shm: bool = False
+    shm_direct: bool = True
     max_message_bytes: int = 64 * 1024**2
 
     def __post_init__(self) -> None:

@@ -10,20 +10,23 @@ knows a wire format. That keeps the rules in one place:
 - batch size and value size are checked before any byte moves;
 - shared-memory grants are leases (kvstore/leases.py), ended by release, by their data
   connection closing, or by expiry;
-- while draining, writes are refused and reads keep working;
+- while draining, writes are refused and reads keep working; a clustered server
+  also marks its directory record draining (``on_drain``), first, so clients stop
+  choosing this node for writes before it starts refusing them;
 - the service's half of the counter contract (kvstore/metrics_names.py) is kept here:
   bytes per transport path, per-tenant hits, misses and puts; the node never sees a
   tenant, so nothing below this layer can count them.
 
 Methods are blocking (node calls may do SSD I/O) and thread-safe; callers on an event
-loop run them in a thread pool.
+loop run them in a thread pool. The one coroutine, :meth:`Gateway.set_draining`, runs
+on the server's loop (where the directory lives).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -115,6 +118,8 @@ class Gateway:
         self.counters = NodeCounters()
         self.gauges: dict[str, Callable[[], int]] = {}  # live values for stats (connections)
         self.draining = False
+        # Tells the cluster directory (kvstore/membership.py); None when standalone.
+        self.on_drain: Callable[[bool], Awaitable[None]] | None = None
         self._ns: dict[tuple[str, str, str], Namespace] = {}
         self._ns_lock = threading.Lock()
         # Namespace fingerprint -> (tenant, model) of every scope seen in a request since
@@ -182,6 +187,14 @@ class Gateway:
             tally[name] = tally.get(name, 0) + 1
         for name, n in tally.items():
             self.counters.inc(name, n, tenant=p.tenant)
+
+    def touch(self, p: Principal, keys: Sequence[bytes], nbytes: int) -> None:
+        """Account reads a same-host client served itself from the published DRAM
+        index (kvstore/tiers/shm_index.py): DRAM hits, bytes out over shm, recency."""
+        self.check_batch(len(keys))
+        self.node.touch(p.scope_all(keys))
+        self.counters.inc("hits_dram", len(keys), tenant=p.tenant)
+        self.count_out(p, "shm", nbytes)
 
     def count_out(self, p: Principal, path: str, nbytes: int) -> None:
         """Payload bytes handed to a reader over ``path`` (shm, tcp, grpc)."""
@@ -389,8 +402,27 @@ class Gateway:
             raise InvalidValue(f"this node has no {name!r} tier (it has {have})")
         return kind
 
+    async def set_draining(self, p: Principal, draining: bool) -> bool:
+        """Admin: refuse (or accept again) new writes, and tell the cluster directory.
+
+        Going into a drain the directory record changes first, so clients move their
+        writes elsewhere before this node refuses them; leaving one, writes are taken
+        again before the record says so. The local state always follows the request:
+        when the directory cannot be written the error is raised after it changed, and
+        the directory catches up on its own (the registration keeps the state)."""
+        p.require_admin("drain")
+        hook = self.on_drain
+        try:
+            if draining and hook is not None:
+                await hook(True)
+        finally:
+            self.drain(p, draining)
+        if not draining and hook is not None:
+            await hook(False)
+        return self.draining
+
     def drain(self, p: Principal, draining: bool) -> bool:
-        """Admin: refuse (or accept again) new writes."""
+        """Admin: refuse (or accept again) new writes on this node only."""
         p.require_admin("drain")
         self.draining = draining
         log.info("draining %s", "on" if draining else "off")

@@ -24,7 +24,7 @@ from kvstore.node import BlockRead
 from kvstore.selection import BlockFilter, EvictResult
 from kvstore.tiers.base import TierKind
 
-__all__ = ["EvictSpec", "ImportItem", "Maintenance", "MAX_SCAN"]
+__all__ = ["EvictSpec", "ImportItem", "Maintenance", "MAX_SCAN", "ScanSpec"]
 
 log = logging.getLogger(__name__)
 MAX_SCAN = 4096  # blocks per Scan reply: a few hundred KiB of metadata at most
@@ -42,6 +42,15 @@ class EvictSpec:
     idle_s: float = 0.0
     dry_run: bool = False
     list_limit: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ScanSpec:
+    """Which blocks a Scan lists (see store.proto); "" / b"" matches any."""
+
+    tenant: str = ""
+    model: str = ""
+    key_prefix: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,11 +95,22 @@ class Maintenance:
         )
         return res
 
-    def scan(self, p: Principal, limit: int, tier: str = "") -> list[tuple[bytes, TierKind, int]]:
-        """Up to ``limit`` (at most MAX_SCAN) stored blocks as (key, tier, size)."""
+    def scan(
+        self, p: Principal, limit: int, tier: str = "", spec: ScanSpec | None = None
+    ) -> tuple[list[tuple[bytes, TierKind, int]], bool]:
+        """Up to ``limit`` (at most MAX_SCAN) stored blocks as (key, tier, size), the
+        ones ``spec`` selects, and whether more matched than were returned."""
         p.require_admin("scan")
         kind = self.gw.tier(tier) if tier else None
-        return list(self.node.scan(min(max(limit, 1), MAX_SCAN), kind))
+        flt = None
+        if spec is not None and (spec.tenant or spec.model or spec.key_prefix):
+            namespaces = None
+            if spec.tenant or spec.model:
+                namespaces = self.gw.fingerprints_of(spec.tenant, spec.model)
+            flt = BlockFilter(namespaces, spec.key_prefix)
+        n = min(max(limit, 1), MAX_SCAN)
+        rows = self.node.scan(n + 1, kind, flt)
+        return list(rows[:n]), len(rows) > n
 
     def export(
         self, p: Principal, keys: Sequence[bytes], budget: int

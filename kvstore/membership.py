@@ -14,6 +14,11 @@ They are told apart by asking the holder's registered address: a holder whose ad
 is now ours, or that refuses connections, is a dead life, and registration waits out
 its lease (TTL + 1 s) instead of failing.
 
+Draining (``kvstore drain``): :meth:`Membership.set_draining` marks the node's record
+``draining`` under its lease before the admin call returns, so clients stop choosing
+it for writes while it is emptied (reads of what it still holds go on). The state is
+part of the registration: a lease recovery re-registers with it.
+
 Without ``--etcd`` nobody reads the node's events, yet the node keeps appending them
 to a queue bounded at a million; a small task drains and drops them, so the queue
 never grows to its bound (an embedded MemoryDirectory would do the same work plus
@@ -27,6 +32,7 @@ import contextlib
 import logging
 import socket
 from collections.abc import Mapping
+from dataclasses import replace
 
 from kvstore.config import ServerConfig
 from kvstore.directory.base import Directory, NodeInfo
@@ -116,6 +122,8 @@ class Membership:
         try:
             await self.directory.open()
             self.registration = await self._register(self.directory)
+            if self.registration.draining != self.info.draining:  # toggled meanwhile
+                await self.set_draining(self.info.draining)
             self.publisher = Publisher(self.node, self.directory)
             await self.publisher.start()
         except BaseException:
@@ -146,6 +154,19 @@ class Membership:
         self.registration = None
         with contextlib.suppress(KVStoreError, asyncio.TimeoutError):
             await asyncio.wait_for(d.close(deregister=deregister), 5.0)
+
+    async def set_draining(self, draining: bool) -> None:
+        """Announce (or withdraw) that this node is draining: clients stop choosing it
+        for writes. Returns once the directory holds the new record; raises (leaving
+        it to be retried by the keepalive) when the directory cannot be written.
+        Standalone, or before registration, it only records the state for start()."""
+        self.info = replace(self.info, draining=draining)
+        d = self.directory
+        if d is None or self.registration is None:
+            return
+        await d.update_node(self.info.node_id, draining=draining)
+        self.registration = d.registration(self.info.node_id)
+        log.info("node %s is %s", self.info.node_id, "draining" if draining else "serving")
 
     async def _register(self, d: Directory) -> NodeInfo:
         ttl = self.config.node_lease_ttl_s

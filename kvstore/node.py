@@ -42,6 +42,7 @@ from kvstore.stats import NodeCounters
 from kvstore.tiers.base import TierKind
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.memory import MemoryTier
+from kvstore.tiers.shm_index import IndexWriter
 
 __all__ = ["BlockRead", "Reservation", "StoreNode"]
 
@@ -139,6 +140,25 @@ class StoreNode:
             if isinstance(t, MemoryTier) and t.kind is TierKind.DRAM:
                 return t.shm_name
         return None
+
+    def publish_index(self) -> str:
+        """Publish where DRAM blocks sit in a shared-memory index, for same-host readers
+        that copy without a lease (kvstore/tiers/shm_index.py); a server calls this, an
+        embedded node has no such readers. Returns the index's name ("" without DRAM)."""
+        self._check_open()
+        for t in self._tiers:
+            if isinstance(t, MemoryTier) and t.kind is TierKind.DRAM and t.shm_name:
+                if self._chain.published is None:
+                    self._chain.publish_dram(IndexWriter(t.shm_name, t.capacity))
+                assert self._chain.published is not None
+                return self._chain.published.name
+        return ""
+
+    def touch(self, keys: Sequence[bytes]) -> int:
+        """Record hits that readers served themselves from the published index: the
+        eviction order and hit counters see them as reads. Returns how many of the
+        blocks are still stored."""
+        return self._chain.touch([as_key(k) for k in keys])
 
     def close(self) -> None:
         """Release every tier (the shared-memory segment is unlinked); idempotent."""
@@ -420,11 +440,11 @@ class StoreNode:
         )
 
     def scan(
-        self, limit: int, tier: TierKind | None = None
+        self, limit: int, tier: TierKind | None = None, flt: BlockFilter | None = None
     ) -> list[tuple[BlockKey, TierKind, int]]:
         """Up to ``limit`` stored blocks as (key, tier, size), cheaply: what a drain
-        pages through while it removes what it moved."""
-        return self._chain.scan(limit, tier)
+        pages through while it removes what it moved; ``flt`` keeps only matches."""
+        return self._chain.scan(limit, tier, flt)
 
     def keys(self, tier: TierKind | None = None) -> list[BlockKey]:
         """Stored keys, optionally of one tier (a snapshot)."""

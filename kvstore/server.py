@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -58,6 +59,7 @@ class StoreServer:
         self._metrics: Any = None  # kvstore.metrics.MetricsServer when metrics_port >= 0
         self.node: StoreNode | None = None
         self._shm_size = 0
+        self._shm_index = ""  # the published DRAM index (kvstore/tiers/shm_index.py)
         self._grpc: grpc.aio.Server | None = None
         self._data: DataServer | None = None
         self._gateway: Gateway | None = None
@@ -71,6 +73,7 @@ class StoreServer:
         self.node = StoreNode(self.node_config)
         self._shm_size = int(self.node.stats()["tiers"].get("dram", {}).get("capacity", 0))
         try:
+            self._shm_index = self.node.publish_index()
             gw = self._gateway = Gateway(self.node, c)
             gw.leases.start_reaper()
             self._data = DataServer(gw, self.tokens, self.info, c, self._tls)
@@ -96,8 +99,11 @@ class StoreServer:
     async def _join(self) -> None:
         """Register in the cluster directory (``--etcd``), or just drain node events."""
         assert self.node is not None
+        assert self._gateway is not None
         info = node_record(self.node, self.config, self.port, self.data_port, self.instance_id)
+        info = dataclasses.replace(info, draining=self._gateway.draining)
         self.membership = Membership(self.node, self.config, info)
+        self._gateway.on_drain = self.membership.set_draining  # Drain RPC -> directory
         await self.membership.start()
 
     def _start_metrics(self, gw: Gateway) -> None:
@@ -147,6 +153,7 @@ class StoreServer:
             data_port=self.data_port,
             shm_name=node.shm_name or "",
             shm_size=self._shm_size,
+            shm_index=self._shm_index,
             lease_ttl_ms=int(c.lease_ttl_s * 1000),
             limits=pb.Limits(
                 max_value_bytes=node.config.max_value_bytes,

@@ -28,7 +28,7 @@ from kvstore._proto import store_pb2_grpc as pb_grpc
 from kvstore.auth import Principal, TokenTable
 from kvstore.errors import KVStoreError, LimitExceeded
 from kvstore.gateway import Gateway
-from kvstore.maintenance import EvictSpec, ImportItem, Maintenance
+from kvstore.maintenance import EvictSpec, ImportItem, Maintenance, ScanSpec
 from kvstore.node import BlockRead
 from kvstore.tiers.base import TierKind
 from kvstore.transport import grpc_errors
@@ -270,12 +270,14 @@ class StoreServicer(pb_grpc.StoreServicer):
 
     @_rpc(admin="drain")
     async def Drain(self, p: Principal, req: pb.DrainRequest) -> pb.DrainResponse:
-        return pb.DrainResponse(draining=self.gw.drain(p, req.draining))
+        return pb.DrainResponse(draining=await self.gw.set_draining(p, req.draining))
 
     @_rpc(admin="scan")
     async def Scan(self, p: Principal, req: pb.ScanRequest) -> pb.ScanResponse:
-        resp = pb.ScanResponse()
-        for key, tier, size in self.admin.scan(p, req.limit, req.tier):
+        spec = ScanSpec(req.tenant, req.model, req.key_prefix)
+        rows, more = await self._run(self.admin.scan, p, req.limit, req.tier, spec)  # walks index
+        resp = pb.ScanResponse(more=more)
+        for key, tier, size in rows:
             resp.blocks.add(key=key, tier=tier.value, size=size)
         return resp
 

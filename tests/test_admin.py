@@ -244,7 +244,7 @@ def test_the_server_refuses_admin_rpcs_to_a_tenant(shared: ServerProcess) -> Non
 
 
 def test_every_admin_command_shows_an_example(capsys: pytest.CaptureFixture[str]) -> None:
-    for cmd in ("stats", "evict", "drain"):
+    for cmd in ("stats", "evict", "drain", "nodes", "ls"):
         with pytest.raises(SystemExit):
             main([cmd, "--help"])
         out = capsys.readouterr().out

@@ -9,6 +9,7 @@ bounded polls of the mirror, never bare sleeps.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import threading
 import time
@@ -19,7 +20,14 @@ import pytest
 
 from kvstore.directory import Directory, MemoryBackend, MemoryDirectory, Mirror, NodeInfo, Replica
 from kvstore.directory.publisher import Publisher
-from kvstore.errors import ClosedError, ConfigError, ConflictError, NotFound
+from kvstore.errors import (
+    ClosedError,
+    ConfigError,
+    ConflictError,
+    InvalidValue,
+    LeaseExpired,
+    NotFound,
+)
 from kvstore.events import BlockMoved, BlockRemoved, BlockStored
 from kvstore.node import StoreNode
 from kvstore.tiers.base import TierKind
@@ -188,6 +196,80 @@ def test_lost_lease_recovers_with_new_epoch_and_republishes(make: Make) -> None:
             await seen(reader, rev)
             assert m.longest_prefix(ks) == {"n1": 40}
             assert m.node("n1").epoch == a.registration("n1").epoch  # type: ignore[union-attr]
+
+    run(body())
+
+
+# -- updating a live record (drain) ----------------------------------------------------------
+
+
+def test_update_node_changes_the_record_in_place(make: Make) -> None:
+    async def body() -> None:
+        async with make() as a, make() as reader:
+            m = await reader.mirror()
+            got = await a.register_node(info("n1"), ttl=TTL)
+            ks = keys(20)
+            await seen(reader, await a.publish("n1", stored(ks)))
+            assert m.node("n1") is not None and not m.node("n1").draining  # type: ignore[union-attr]
+            rev = await a.update_node("n1", draining=True)
+            await seen(reader, rev)
+            now = m.node("n1")
+            assert now is not None and now.draining
+            assert now == dataclasses.replace(got, draining=True)  # same life, same epoch
+            assert a.registration("n1").draining
+            assert [n.draining for n in await reader.list_nodes()] == [True]
+            assert len(m) == 20  # block entries untouched
+            assert await a.update_node("n1", draining=True) == rev  # no change: no write
+            await seen(reader, await a.update_node("n1", draining=False))
+            assert not m.node("n1").draining  # type: ignore[union-attr]
+            with pytest.raises(InvalidValue, match="boot_id"):
+                await a.update_node("n1", boot_id="other")
+            with pytest.raises(InvalidValue, match="epoch"):
+                await a.update_node("n1", epoch=1)
+            with pytest.raises(NotFound):
+                await a.update_node("nobody", draining=True)
+            assert m.node("n1") == got
+
+    run(body())
+
+
+def test_update_survives_a_lost_lease(make: Make) -> None:
+    async def body() -> None:
+        async with make() as a, make() as reader:
+            m = await reader.mirror()
+            old = await a.register_node(info("n1"), ttl=TTL)
+            await a.update_node("n1", draining=True)
+            await reader._revoke(old.epoch)  # type: ignore[attr-defined]  # the lease is lost
+            await until(lambda: m.node("n1") is None)
+            await seen(reader, await a.publish("n1", stored(keys(3))))  # re-registers
+            again = m.node("n1")
+            assert again is not None and again.epoch != old.epoch and again.draining
+            # lost again, and the update is what finds out: it re-registers with itself
+            await reader._revoke(again.epoch)  # type: ignore[attr-defined]
+            await until(lambda: m.node("n1") is None)
+            await seen(reader, await a.update_node("n1", draining=False))
+            third = m.node("n1")
+            assert third is not None and not third.draining
+            assert third.epoch not in (old.epoch, again.epoch) and len(m) == 3
+
+    run(body())
+
+
+def test_a_stale_life_cannot_overwrite_a_newer_registration(make: Make) -> None:
+    async def body() -> None:
+        async with make() as a, make() as b, make() as reader:
+            old = await a.register_node(info("n1", host="h1"), ttl=TTL)
+            await a.deregister("n1")  # the old life ends (its lease is gone)
+            new = await b.register_node(info("n1", host="h2"), ttl=TTL)
+            stale = dataclasses.replace(old, draining=True)
+            with pytest.raises(LeaseExpired):  # its lease is gone
+                await a._update_node(stale, old.epoch)  # type: ignore[attr-defined]
+            live = await a._grant(TTL)  # type: ignore[attr-defined]
+            with pytest.raises(LeaseExpired):  # a live lease, but not the record's
+                await a._update_node(stale.with_epoch(live), live)  # type: ignore[attr-defined]
+            await a._revoke(live)  # type: ignore[attr-defined]
+            assert await reader.list_nodes() == [new]
+            assert not new.draining and new.host == "h2"
 
     run(body())
 

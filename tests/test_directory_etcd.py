@@ -1,6 +1,7 @@
 """Faults that only a real etcd can show: a SIGKILLed node, an etcd restart under
-load, a watch that falls behind a compaction, and a duplicate node id across
-processes. TTLs are 2 s (etcd's minimum with default election settings).
+load, a watch that falls behind a compaction, a duplicate node id across
+processes, and node records written by an older version. TTLs are 2 s (etcd's
+minimum with default election settings).
 """
 
 from __future__ import annotations
@@ -20,14 +21,14 @@ import pytest
 
 from kvstore.directory import Mirror, NodeInfo, Replica
 from kvstore.directory.etcd_process import EtcdProcess
-from kvstore.errors import ConflictError, KVStoreError
+from kvstore.errors import ConflictError, DirectoryError, KVStoreError
 from kvstore.events import BlockRemoved, BlockStored
 from kvstore.tiers.base import TierKind
 
 pytest_plugins = ["tests.etcd_fixtures"]
 pytest.importorskip("aetcd")
 
-from kvstore.directory.etcd import EtcdDirectory  # noqa: E402
+from kvstore.directory.etcd import EtcdDirectory, node_key  # noqa: E402
 
 TTL = 2
 DRAM, SSD = TierKind.DRAM, TierKind.SSD
@@ -261,3 +262,45 @@ def test_duplicate_id_across_processes_is_refused(
     finally:
         child.terminate()
         child.wait(10)
+
+
+def test_draining_is_stored_as_json_and_old_records_still_parse(
+    etcd_server: EtcdProcess, cluster_name: str
+) -> None:
+    """A record from before ``draining`` existed (written as an older node would) is
+    read as not draining; an update is a guarded put readable with ``etcdctl get``."""
+    legacy = (
+        b'{"node_id":"old","host":"h0","address":"h0:7400","data_address":"",'
+        b'"shm_name":"","boot_id":"b0","tiers":{"dram":1024},"host_id":"","epoch":0}'
+    )
+
+    async def body() -> None:
+        async with EtcdDirectory(etcd_server.endpoint, cluster_name) as d:
+            m = await d.mirror()
+            lease = await d.client.lease(TTL)
+            await d.client.put(node_key(cluster_name, "old"), legacy, lease=lease)
+            await until(lambda: m.node("old") is not None, 5)
+            old = m.node("old")
+            assert old is not None and not old.draining and old.tiers == {DRAM: 1024}
+            assert old.epoch == lease.id
+            assert [n.draining for n in await d.list_nodes()] == [False]
+            await lease.revoke()
+
+            await d.register_node(info("n1"), ttl=TTL)
+            rev = await d.update_node("n1", draining=True)
+            assert await m.wait_for_revision(rev, 5)
+            raw = await d.client.get(node_key(cluster_name, "n1"))
+            assert raw is not None and b'"draining":true' in raw.value
+            assert raw.lease == d.registration("n1").epoch  # still under its lease
+            assert m.node("n1") == NodeInfo.from_json(raw.value, epoch=raw.lease)
+            assert m.node("n1").draining  # type: ignore[union-attr]
+
+    run(body())
+
+
+def test_node_info_json_round_trip_and_bad_draining() -> None:
+    n = NodeInfo("n1", "h1", "h1:7400", tiers={DRAM: 10}, draining=True, epoch=7)
+    assert NodeInfo.from_json(n.to_json()) == n
+    assert NodeInfo.from_json(n.to_json(), epoch=9) == n.with_epoch(9)
+    with pytest.raises(DirectoryError, match="malformed"):
+        NodeInfo.from_json(b'{"node_id":"n1","host":"h1","draining":"yes"}')

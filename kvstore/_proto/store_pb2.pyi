@@ -52,7 +52,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("version", "node_id", "tenant", "admin", "host_id", "hostname", "data_port", "shm_name", "shm_size", "lease_ttl_ms", "limits", "tiers", "instance_id", "draining", "unix_socket")
+    __slots__ = ("version", "node_id", "tenant", "admin", "host_id", "hostname", "data_port", "shm_name", "shm_size", "lease_ttl_ms", "limits", "tiers", "instance_id", "draining", "unix_socket", "shm_index")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class InfoResponse(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     UNIX_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    SHM_INDEX_FIELD_NUMBER: _ClassVar[int]
     version: str
     node_id: str
     tenant: str
@@ -83,7 +84,8 @@ class InfoResponse(_message.Message):
     instance_id: str
     draining: bool
     unix_socket: str
-    def __init__(self, version: _Optional[str] = ..., node_id: _Optional[str] = ..., tenant: _Optional[str] = ..., admin: _Optional[bool] = ..., host_id: _Optional[str] = ..., hostname: _Optional[str] = ..., data_port: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_size: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., tiers: _Optional[_Iterable[str]] = ..., instance_id: _Optional[str] = ..., draining: _Optional[bool] = ..., unix_socket: _Optional[str] = ...) -> None: ...
+    shm_index: str
+    def __init__(self, version: _Optional[str] = ..., node_id: _Optional[str] = ..., tenant: _Optional[str] = ..., admin: _Optional[bool] = ..., host_id: _Optional[str] = ..., hostname: _Optional[str] = ..., data_port: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_size: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., tiers: _Optional[_Iterable[str]] = ..., instance_id: _Optional[str] = ..., draining: _Optional[bool] = ..., unix_socket: _Optional[str] = ..., shm_index: _Optional[str] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
@@ -162,16 +164,28 @@ class BlockRef(_message.Message):
     def __init__(self, found: _Optional[bool] = ..., header: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., lease_id: _Optional[int] = ..., offset: _Optional[int] = ..., error: _Optional[_Union[Status, _Mapping]] = ...) -> None: ...
 
 class GetResponse(_message.Message):
-    __slots__ = ("blocks", "shm_name", "lease_expires_ns", "server_now_ns")
+    __slots__ = ("blocks", "shm_name", "lease_expires_ns", "server_now_ns", "namespace_fp")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_NS_FIELD_NUMBER: _ClassVar[int]
     SERVER_NOW_NS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FP_FIELD_NUMBER: _ClassVar[int]
     blocks: _containers.RepeatedCompositeFieldContainer[BlockRef]
     shm_name: str
     lease_expires_ns: int
     server_now_ns: int
-    def __init__(self, blocks: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ..., shm_name: _Optional[str] = ..., lease_expires_ns: _Optional[int] = ..., server_now_ns: _Optional[int] = ...) -> None: ...
+    namespace_fp: bytes
+    def __init__(self, blocks: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ..., shm_name: _Optional[str] = ..., lease_expires_ns: _Optional[int] = ..., server_now_ns: _Optional[int] = ..., namespace_fp: _Optional[bytes] = ...) -> None: ...
+
+class TouchRequest(_message.Message):
+    __slots__ = ("keys", "payload_bytes", "call_seconds")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    payload_bytes: int
+    call_seconds: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., payload_bytes: _Optional[int] = ..., call_seconds: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PutItem(_message.Message):
     __slots__ = ("key", "meta", "checksum", "payload", "namespace_fp")
@@ -350,18 +364,26 @@ class EvictResponse(_message.Message):
     def __init__(self, moved: _Optional[int] = ..., skipped_pinned: _Optional[int] = ..., bytes: _Optional[int] = ..., demoted: _Optional[int] = ..., dropped: _Optional[int] = ..., used_before: _Optional[int] = ..., used_after: _Optional[int] = ..., capacity: _Optional[int] = ..., dry_run: _Optional[bool] = ..., next_tier: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[StoredBlock, _Mapping]]] = ...) -> None: ...
 
 class ScanRequest(_message.Message):
-    __slots__ = ("limit", "tier")
+    __slots__ = ("limit", "tier", "tenant", "model", "key_prefix")
     LIMIT_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    KEY_PREFIX_FIELD_NUMBER: _ClassVar[int]
     limit: int
     tier: str
-    def __init__(self, limit: _Optional[int] = ..., tier: _Optional[str] = ...) -> None: ...
+    tenant: str
+    model: str
+    key_prefix: bytes
+    def __init__(self, limit: _Optional[int] = ..., tier: _Optional[str] = ..., tenant: _Optional[str] = ..., model: _Optional[str] = ..., key_prefix: _Optional[bytes] = ...) -> None: ...
 
 class ScanResponse(_message.Message):
-    __slots__ = ("blocks",)
+    __slots__ = ("blocks", "more")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     blocks: _containers.RepeatedCompositeFieldContainer[StoredBlock]
-    def __init__(self, blocks: _Optional[_Iterable[_Union[StoredBlock, _Mapping]]] = ...) -> None: ...
+    more: bool
+    def __init__(self, blocks: _Optional[_Iterable[_Union[StoredBlock, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("draining",)

@@ -252,7 +252,7 @@ class StoreServicer:
         as the node holds them, so a block moves between nodes with its tenant scoping and
         namespace fingerprint intact.
         Up to `limit` stored blocks, in no particular order (a drain removes what it moved
-        and asks again).
+        and asks again); optionally only a tenant's / model's / key prefix's (`kvstore ls`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_TTL",
+    "MUTABLE_FIELDS",
     "BlockSnapshot",
     "Directory",
     "NodeInfo",
@@ -79,6 +80,9 @@ class NodeInfo:
             two nodes exactly when they share a kernel, so a client can tell which
             nodes are local to it ("" when unknown, which never matches).
         epoch: the lease the registration lives under; set by the directory (0 before).
+        draining: the node is being emptied (``kvstore drain``): clients stop writing
+            to it but may still read what it holds. Changed on a live registration
+            with :meth:`Directory.update_node`.
     """
 
     node_id: str
@@ -90,6 +94,7 @@ class NodeInfo:
     tiers: Mapping[TierKind, int] = field(default_factory=dict)
     host_id: str = ""
     epoch: int = 0
+    draining: bool = False
 
     def __post_init__(self) -> None:
         check_name("node_id", self.node_id)
@@ -112,6 +117,7 @@ class NodeInfo:
             "tiers": {TierKind(k).value: int(v) for k, v in self.tiers.items()},
             "host_id": self.host_id,
             "epoch": self.epoch,
+            "draining": self.draining,
         }
         return json.dumps(doc, separators=(",", ":")).encode()
 
@@ -130,9 +136,24 @@ class NodeInfo:
                 tiers={TierKind(k): int(v) for k, v in doc.get("tiers", {}).items()},
                 host_id=doc.get("host_id", ""),
                 epoch=int(doc.get("epoch", 0)) if epoch is None else epoch,
+                draining=_flag(doc.get("draining", False)),
             )
         except (ValueError, KeyError, TypeError, ConfigError) as exc:
             raise DirectoryError(f"malformed node record: {raw[:200]!r}") from exc
+
+
+def _flag(value: Any) -> bool:
+    """A JSON boolean; anything else is a malformed record (not truthiness)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"expected true or false, got {value!r}")
+    return value
+
+
+MUTABLE_FIELDS = frozenset(
+    {"host", "address", "data_address", "shm_name", "tiers", "host_id", "draining"}
+)
+"""NodeInfo fields :meth:`Directory.update_node` may change; the rest name the node's
+life (node_id, boot_id) or are the directory's to set (epoch)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +206,17 @@ class Directory(ABC):
         Returns ``info`` stamped with its epoch. If a live node holds the id, waits up to
         ``wait`` seconds for that holder's lease to lapse (a restarted node waiting out
         its previous life), then raises ConflictError.
+        """
+
+    @abstractmethod
+    async def update_node(self, node_id: str, **changes: Any) -> int:
+        """Change fields (see ``MUTABLE_FIELDS``) of a node registered here, in place,
+        under its lease; returns the revision at which the new record is visible.
+
+        The write is guarded by the lease: it only replaces the record this
+        registration holds, never a newer life's. The change is kept as part of the
+        registration, so a lease recovery re-registers with it, and on Unavailable it
+        is written by the next ``flush`` or keepalive (the call still raises).
         """
 
     @abstractmethod

@@ -278,6 +278,25 @@ class EtcdDirectory(LeasedDirectory):
                 return NodeInfo.from_json(kvs[0].value, epoch=kvs[0].lease)
         raise DirectoryError(f"register {info.node_id!r}: record flapping, try again")
 
+    async def _update_node(self, info: NodeInfo, lease: int) -> int:
+        key = node_key(self.cluster, info.node_id)
+        req = rpc.TxnRequest(
+            compare=[  # still our record: a newer life holds it under another lease
+                rpc.Compare(
+                    key=key, target=rpc.Compare.LEASE, result=rpc.Compare.EQUAL, lease=lease
+                )
+            ],
+            success=[
+                rpc.RequestOp(
+                    request_put=rpc.PutRequest(key=key, value=info.to_json(), lease=lease)
+                )
+            ],
+        )
+        resp = await self._txn(req, "update node")
+        if not resp.succeeded:
+            raise LeaseExpired(f"node {info.node_id!r}: its record is gone or not under {lease:x}")
+        return int(resp.header.revision)
+
     async def _wait_node_gone(self, node_id: str, timeout: float) -> bool:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout

@@ -169,6 +169,17 @@ class MemoryBackend:
             self._commit_locked(c, [(PUT_NODE, info)])
             return None
 
+    def update_node(self, cluster: str, info: NodeInfo, lease: int) -> int:
+        """Replace a node's record, only while ``lease`` holds it (as etcd's guarded put)."""
+        with self._lock:
+            self._expire_locked()
+            c = self._clusters.get(cluster)
+            held = c.nodes.get(info.node_id) if c is not None else None
+            if c is None or held is None or held[1] != lease:
+                raise LeaseExpired(f"node {info.node_id!r} is not held by lease {lease:x}")
+            c.nodes[info.node_id] = (info, lease)
+            return self._commit_locked(c, [(PUT_NODE, info)])
+
     def has_node(self, cluster: str, node_id: str) -> bool:
         with self._lock:
             self._expire_locked()
@@ -249,6 +260,9 @@ class MemoryDirectory(LeasedDirectory):
 
     async def _create_node(self, info: NodeInfo, lease: int) -> NodeInfo | None:
         return self.backend.create_node(self.cluster, info, lease)
+
+    async def _update_node(self, info: NodeInfo, lease: int) -> int:
+        return self.backend.update_node(self.cluster, info, lease)
 
     async def _wait_node_gone(self, node_id: str, timeout: float) -> bool:
         deadline = time.monotonic() + timeout

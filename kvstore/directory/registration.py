@@ -1,9 +1,10 @@
 """What both directories share: registrations, keepalive, epochs and publish state.
 
-A directory implementation provides six primitives (grant, create-if-absent, wait
-for a record to go, keepalive, revoke, write a batch); :class:`LeasedDirectory`
-builds registration, publishing and lease-loss recovery on them once, so the
-embedded and the etcd directory cannot drift apart in the parts that are subtle.
+A directory implementation provides seven primitives (grant, create-if-absent,
+replace-if-still-ours, wait for a record to go, keepalive, revoke, write a batch);
+:class:`LeasedDirectory` builds registration, record updates, publishing and
+lease-loss recovery on them once, so the embedded and the etcd directory cannot
+drift apart in the parts that are subtle.
 
 Publish state: each registration keeps ``desired`` (key -> (tier, size), what the
 directory should hold for this node) and ``dirty`` (keys whose directory entry may
@@ -12,6 +13,11 @@ writes the dirty keys (one op per key, so batches can go out concurrently withou
 reordering a key's history) and clears them only on success. After a lease loss the
 node re-registers under a new lease (a new epoch) and marks every key dirty, since
 the old lease took all of its entries with it.
+
+The node record follows the same rule: ``info`` is what the record should say (a
+drain sets ``draining``) and ``info_dirty`` says it may not say so yet. A flush
+writes it before any block entry; a recovery re-registers with it, so a change made
+before a lease loss survives the loss.
 """
 
 from __future__ import annotations
@@ -22,9 +28,12 @@ import logging
 import math
 from abc import abstractmethod
 from collections.abc import Iterable
+from dataclasses import replace
+from typing import Any
 
 from kvstore.directory.base import (
     DEFAULT_TTL,
+    MUTABLE_FIELDS,
     BlockSnapshot,
     Directory,
     NodeInfo,
@@ -33,6 +42,7 @@ from kvstore.directory.base import (
 from kvstore.errors import (
     ClosedError,
     ConflictError,
+    InvalidValue,
     KVStoreError,
     LeaseExpired,
     NotFound,
@@ -52,9 +62,10 @@ class _Registration:
     """One node's claim on its id, and what it has published.
 
     Concurrency contract: touched only from the owning directory's event loop.
-    ``lock`` serializes flushes and recovery, so at most one write batch for this
-    node is in flight and a key's updates reach the directory in order. ``apply``
-    and ``replace`` run without it (they only edit ``desired``/``dirty``).
+    ``lock`` serializes flushes, recovery and changes to ``info``, so at most one
+    write batch for this node is in flight, a key's updates reach the directory in
+    order, and a recovery never re-registers a record older than the last update.
+    ``apply`` and ``replace`` run without it (they only edit ``desired``/``dirty``).
     """
 
     __slots__ = (
@@ -63,6 +74,7 @@ class _Registration:
         "dirty",
         "epochs",
         "info",
+        "info_dirty",
         "keepalive",
         "lease",
         "lock",
@@ -74,6 +86,7 @@ class _Registration:
 
     def __init__(self, info: NodeInfo, lease: int, ttl: int) -> None:
         self.info = info
+        self.info_dirty = False
         self.lease = lease
         self.ttl = ttl
         self.desired: dict[bytes, Value] = {}
@@ -160,6 +173,12 @@ class LeasedDirectory(Directory):
     async def _create_node(self, info: NodeInfo, lease: int) -> NodeInfo | None:
         """Put the node record under ``lease`` only if no record exists. Returns None on
         success, else the live holder's record."""
+
+    @abstractmethod
+    async def _update_node(self, info: NodeInfo, lease: int) -> int:
+        """Replace the node record with ``info`` only while the stored record is the one
+        ``lease`` holds (never a newer life's); returns the revision. Raises LeaseExpired
+        when the record is gone or held under another lease."""
 
     @abstractmethod
     async def _wait_node_gone(self, node_id: str, timeout: float) -> bool:
@@ -265,6 +284,20 @@ class LeasedDirectory(Directory):
     def registration(self, node_id: str) -> NodeInfo:
         return self._reg(node_id).info
 
+    async def update_node(self, node_id: str, **changes: Any) -> int:
+        reg = self._reg(node_id)
+        fixed = changes.keys() - MUTABLE_FIELDS
+        if fixed:
+            raise InvalidValue(
+                f"cannot change {', '.join(sorted(fixed))} of a registered node "
+                f"(changeable: {', '.join(sorted(MUTABLE_FIELDS))})"
+            )
+        async with reg.lock:
+            new = replace(reg.info, **changes)
+            if new != reg.info:
+                reg.info, reg.info_dirty = new, True
+        return await self._flush(reg)
+
     def pending(self, node_id: str) -> int:
         return len(self._reg(node_id).dirty)
 
@@ -284,6 +317,8 @@ class LeasedDirectory(Directory):
                 if not await self._keepalive_once(lease):
                     await self._recover(reg, lease)
                     await self._flush(reg)
+                elif reg.info_dirty:
+                    await self._flush(reg)  # a record update an outage held back
                 delay = period
             except ConflictError as exc:
                 log.error("node %s lost its id for good: %s", reg.info.node_id, exc)
@@ -314,7 +349,7 @@ class LeasedDirectory(Directory):
                     f"boot_id={holder.boot_id} on {holder.host}"
                 )
                 raise reg.lost
-            reg.info, reg.lease = info, lease
+            reg.info, reg.lease, reg.info_dirty = info, lease, False
             reg.epochs += 1
             reg.dirty = set(reg.desired)
         log.warning("node %s lost its lease; re-registered as epoch %x", info.node_id, lease)
@@ -335,26 +370,35 @@ class LeasedDirectory(Directory):
         return await self._flush(self._reg(node_id))
 
     async def _flush(self, reg: _Registration) -> int:
+        """Write the node record if it changed, then the dirty block entries; recover
+        the lease (up to three times) when it turns out to be lost."""
         for _attempt in range(3):
             async with reg.lock:
                 if reg.lost is not None:
                     raise reg.lost
-                ops = reg.take_dirty()
-                if not ops:
-                    return reg.revision
                 lease = reg.lease
                 try:
-                    rev = await self._write(reg.info.node_id, lease, ops)
+                    return await self._flush_locked(reg, lease)
                 except LeaseExpired:
-                    reg.restore(ops)
-                except BaseException:
-                    reg.restore(ops)
-                    raise
-                else:
-                    reg.revision = max(reg.revision, rev)
-                    return reg.revision
+                    pass
             await self._recover(reg, lease)
         raise LeaseExpired(f"node {reg.info.node_id!r} keeps losing its lease")
+
+    async def _flush_locked(self, reg: _Registration, lease: int) -> int:
+        if reg.info_dirty:
+            rev = await self._update_node(reg.info, lease)
+            reg.info_dirty = False
+            reg.revision = max(reg.revision, rev)
+        ops = reg.take_dirty()
+        if not ops:
+            return reg.revision
+        try:
+            rev = await self._write(reg.info.node_id, lease, ops)
+        except BaseException:
+            reg.restore(ops)
+            raise
+        reg.revision = max(reg.revision, rev)
+        return reg.revision
 
 
 async def _cancel(task: asyncio.Task[None] | None) -> None:

@@ -41,6 +41,10 @@ class DataConn:
         self.fs = fs
         self.info = info
         self.pending: list[int] = []  # read leases to hand back (see defer_release)
+        self.touched: list[bytes] = []  # reads served from the published index
+        self.touched_bytes = 0
+        self.touched_calls: list[float] = []  # seconds of each call served wholly so
+        self.touched_since = 0.0  # time.monotonic() of the oldest unreported read
         self.idle_since = 0.0  # time.monotonic() when last returned to the pool
 
     @classmethod
@@ -104,7 +108,7 @@ class DataConn:
         The caller then consumes exactly ``body_len`` payload bytes.
         """
         self.fs.set_deadline(deadline)
-        before = self._release_frame()
+        before = self._owed_frames()
         self.fs.send(op, msg.SerializeToString(), body, body_len, before=before)
         return self._reply(self.fs, op | REPLY, reply)
 
@@ -117,18 +121,50 @@ class DataConn:
         """
         self.pending.extend(lease_ids)
 
+    TOUCH_BATCH = 64  # reads reported in one TOUCH frame at most
+    TOUCH_DELAY_S = 0.005  # and none waits longer than this while the connection is used
+
+    def defer_touch(self, keys: Sequence[bytes], nbytes: int, seconds: float | None) -> None:
+        """Report reads served from the published index (kvstore/transport/shm_direct.py)
+        with the next request, or on their own once a batch is full or old enough:
+        the server's counters and eviction order lag by at most a few milliseconds."""
+        if not self.touched:
+            self.touched_since = time.monotonic()
+        self.touched.extend(keys)
+        self.touched_bytes += nbytes
+        if seconds is not None:
+            self.touched_calls.append(seconds)
+        if (
+            len(self.touched) >= self.TOUCH_BATCH
+            or time.monotonic() - self.touched_since >= self.TOUCH_DELAY_S
+        ):
+            self.flush_releases()
+
+    @property
+    def owes(self) -> bool:
+        """Whether releases or touches still have to reach the server."""
+        return bool(self.pending or self.touched)
+
     def flush_releases(self) -> None:
-        """Send deferred releases now, on their own (RELEASE has no reply)."""
-        before = self._release_frame()
+        """Send deferred releases and touches now, on their own (neither has a reply)."""
+        before = self._owed_frames()
         if before:
             self.fs.set_timeout(5.0)
             self.fs.send_raw(before)
 
-    def _release_frame(self) -> bytes:
-        if not self.pending:
-            return b""
-        ids, self.pending = self.pending, []
-        return frame(Op.RELEASE, pb.LeaseRequest(lease_ids=ids).SerializeToString())
+    def _owed_frames(self) -> bytes:
+        out = b""
+        if self.touched:
+            keys, self.touched = self.touched, []
+            req = pb.TouchRequest(
+                keys=keys, payload_bytes=self.touched_bytes, call_seconds=self.touched_calls
+            )
+            self.touched_bytes, self.touched_calls = 0, []
+            out = frame(Op.TOUCH, req.SerializeToString())
+        if self.pending:
+            ids, self.pending = self.pending, []
+            out += frame(Op.RELEASE, pb.LeaseRequest(lease_ids=ids).SerializeToString())
+        return out
 
     @staticmethod
     def _reply(fs: FrameSocket, want: int, reply: type[M]) -> tuple[M, int]:

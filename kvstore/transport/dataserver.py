@@ -221,6 +221,7 @@ class _Session:
             Op.ABORT: self.abort,
             Op.EXISTS: self.exists,
             Op.MATCH: self.match,
+            Op.TOUCH: self.touch,
         }
 
     @property
@@ -327,6 +328,8 @@ class _Session:
         try:
             resp = pb.GetResponse(shm_name=self.gw.node.shm_name or "")
             resp.server_now_ns = time.monotonic_ns()
+            if ns is not None:
+                resp.namespace_fp = ns.fingerprint()
             body = []
             shm_bytes = 0
             for r in reads:
@@ -364,6 +367,12 @@ class _Session:
     def release(self, meta: bytes, body_len: int) -> None:
         req = _parse(pb.LeaseRequest, meta)
         self.gw.release_reads(self.principal, req.lease_ids)
+
+    def touch(self, meta: bytes, body_len: int) -> None:
+        req = _parse(pb.TouchRequest, meta)
+        self.gw.touch(self.principal, req.keys, req.payload_bytes)
+        for seconds in req.call_seconds:
+            self.gw.counters.observe("get", "shm", seconds)
 
     # -- writes ------------------------------------------------------------------------
 

@@ -8,7 +8,8 @@ proto/kvstore/v1/store.proto) and ``body_len`` raw payload bytes::
 A connection starts with HELLO (meta ``Hello``: bearer token, protocol version); the
 server answers INFO (``InfoResponse``) or ERROR (``Status``) and closes. Then requests
 and replies alternate, a reply carrying ``op | REPLY`` or ERROR; RELEASE alone has no
-reply (a client hands back read leases without waiting). Payload bytes are never
+reply (a client hands back read leases without waiting), nor has TOUCH (a same-host
+client reporting reads it served itself from the published DRAM index). Payload bytes are never
 parsed: they are received with ``recv_into`` straight into their destination (a
 reserved slab extent on the server, the caller's tensor on the client) and checked
 against their xxh3 afterwards.
@@ -74,6 +75,7 @@ class Op(IntEnum):
     ABORT = 16  # LeaseRequest -> LeaseResponse
     EXISTS = 17  # KeysRequest -> ExistsResponse
     MATCH = 18  # KeysRequest -> MatchPrefixResponse
+    TOUCH = 19  # TouchRequest, no reply: reads served from the published index
 
 
 class ProtocolError(TransportError):

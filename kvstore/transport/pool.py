@@ -30,10 +30,13 @@ from kvstore.errors import (
     Unavailable,
 )
 from kvstore.stats import NodeCounters
+from kvstore.tiers.shm_index import IndexReader, reader_supported
 from kvstore.transport.base import Transport
 from kvstore.transport.conn import DataConn
+from kvstore.transport.frames import Op
 from kvstore.transport.locality import host_id
 from kvstore.transport.shm import Segment, ShmTransport
+from kvstore.transport.shm_direct import DirectReader
 from kvstore.transport.tcp import TcpTransport
 
 __all__ = ["ConnPool"]
@@ -44,7 +47,7 @@ log = logging.getLogger(__name__)
 class ConnPool:
     """Lends authenticated data connections with their transport.
 
-    Concurrency: ``_lock`` (and ``_cond`` on it) guards ``_idle``, ``_segments``,
+    Concurrency: ``_lock`` (and ``_cond`` on it) guards ``_idle``, ``_segments``, ``_direct``,
     ``_server``, ``_deferred``, ``_lent`` and ``_waiters``; ``_lent`` stays within
     ``pool_size`` (callers beyond it wait on ``_cond``). Connecting and all I/O happen
     outside the lock. Read leases a connection still owes the server
@@ -76,6 +79,7 @@ class ConnPool:
         self._flusher: threading.Thread | None = None
         self._idle: list[tuple[DataConn, Transport]] = []
         self._segments: dict[tuple[str, str], Segment] = {}
+        self._direct: dict[tuple[str, str], DirectReader | None] = {}
         self._size = config.pool_size
         self._waiters = 0  # callers waiting for a connection slot
         self._server = server  # where the data sockets are (None: ask with locate)
@@ -135,7 +139,7 @@ class ConnPool:
             if keep:
                 conn.idle_since = time.monotonic()
                 self._idle.append(link)
-                if conn.pending and not self._deferred:
+                if conn.owes and not self._deferred:
                     # one wake-up when releases start to be owed, not one per call: a
                     # busy caller's next request carries them (see _flush_loop)
                     self._deferred = True
@@ -163,7 +167,7 @@ class ConnPool:
                 if not self._deferred:
                     self._cond.wait()
                     continue
-                owing = [link for link in self._idle if link[0].pending]
+                owing = [link for link in self._idle if link[0].owes]
                 if not owing:
                     if self._lent:  # may come back owing: look again, without a wake-up
                         self._cond.wait(delay)
@@ -237,7 +241,10 @@ class ConnPool:
         if self._same_host(info) and info.shm_name:
             try:
                 seg = self._segment(info)
-                return ShmTransport(self.counters, seg, verify=self.config.verify_shm)
+                direct = self._direct_reader(info, seg)
+                return ShmTransport(
+                    self.counters, seg, verify=self.config.verify_shm, direct=direct
+                )
             except StorageError as exc:
                 if want == "shm":
                     raise
@@ -262,6 +269,45 @@ class ConnPool:
             seg.close()
         return kept
 
+    def _direct_reader(self, info: pb.InfoResponse, seg: Segment) -> DirectReader | None:
+        """The reader of the server's published index, when it offers one and this
+        client uses it (``shm_direct``); one per server instance, like segments."""
+        if not (self.config.shm_direct and info.shm_index and reader_supported()):
+            return None
+        key = (info.instance_id, info.shm_index)
+        with self._lock:
+            if key in self._direct:
+                return self._direct[key]
+            for k in [k for k in self._direct if k[0] != info.instance_id]:
+                old = self._direct.pop(k)
+                if old is not None:
+                    old.close()
+        try:
+            reader: DirectReader | None = DirectReader(
+                IndexReader(info.shm_index), seg.view, info.tenant
+            )
+        except StorageError as exc:
+            log.info("published index does not map here (%s); leased reads only", exc)
+            reader = None
+        with self._lock:
+            kept = self._direct.setdefault(key, reader)
+        if kept is not reader and reader is not None:
+            reader.close()
+        return kept
+
+    def settle(self, deadline: float) -> None:
+        """Make sure the server has processed every touch and release this client owes
+        on its idle connections (one round trip each that owes), so a stats call
+        right after reads sees them."""
+        with self._lock:
+            owing = [link for link in self._idle if link[0].owes]
+            taken = {id(link) for link in owing}
+            self._idle = [link for link in self._idle if id(link) not in taken]
+        for link in owing:
+            with contextlib.suppress(KVStoreError):
+                link[0].call(Op.EXISTS, pb.KeysRequest(), pb.ExistsResponse, deadline)
+            self._give_back(link)
+
     def close(self) -> None:
         """Close idle connections and unmap segments (lent ones close on return)."""
         with self._lock:
@@ -269,7 +315,11 @@ class ConnPool:
             self._cond.notify_all()
             idle, self._idle = self._idle, []
             segs, self._segments = list(self._segments.values()), {}
+            readers, self._direct = list(self._direct.values()), {}
         for conn, _ in idle:
             conn.close()
+        for reader in readers:
+            if reader is not None:
+                reader.close()
         for seg in segs:
             seg.close()

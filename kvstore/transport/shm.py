@@ -1,7 +1,12 @@
 """Shared-memory transport: same-host clients copy straight out of (and into) the node's
 DRAM segment, one numpy copy per block, with the socket carrying only leases.
 
-Read: LEASE names the keys; the server pins each DRAM hit and replies with its header,
+Direct read (the default, kvstore/transport/shm_direct.py): a DRAM block is found in the
+server's published index and copied with no round trip at all; the server hears of it
+afterwards in a batched TOUCH. What that path cannot serve (a key not published, an
+unknown scope, a slot rewritten during the copy) falls through to a leased read.
+
+Leased read: LEASE names the keys; the server pins each DRAM hit and replies with its header,
 extent offset and a read lease that expires at ``lease_expires_ns`` (CLOCK_MONOTONIC,
 one clock for the whole host). The client copies ``offset + 128 ..`` into the
 destination, then hands the leases back with RELEASE (no reply), sent ahead of its
@@ -51,6 +56,7 @@ from kvstore.transport.buffers import fresh_landing, out_landing, prepare_writes
 from kvstore.transport.codec import meta_of
 from kvstore.transport.conn import DataConn
 from kvstore.transport.frames import Op
+from kvstore.transport.shm_direct import FALLBACK, DirectReader
 from kvstore.transport.tcp import miss, put_results, receive_inline
 
 __all__ = ["Segment", "ShmTransport"]
@@ -93,10 +99,18 @@ class ShmTransport(Transport):
 
     name = "shm"
 
-    def __init__(self, counters: NodeCounters, segment: Segment, *, verify: bool = False) -> None:
+    def __init__(
+        self,
+        counters: NodeCounters,
+        segment: Segment,
+        *,
+        verify: bool = False,
+        direct: DirectReader | None = None,
+    ) -> None:
         super().__init__(counters)
         self.segment = segment
         self.verify = verify
+        self.direct = direct
 
     def read(
         self,
@@ -106,9 +120,56 @@ class ShmTransport(Transport):
         scope: pb.Scope,
         deadline: float,
     ) -> list[Any]:
+        d = self.direct
+        nsfp = d.namespace(scope.model, scope.layout) if d is not None else None
+        if d is None or nsfp is None or not d.alive():
+            return self._leased(conn, keys, outs, scope, deadline)
+        t0 = time.perf_counter()
+        get_into = outs is not None
+        results: list[Any] = []
+        rest: list[int] = []
+        served: list[bytes] = []
+        nbytes = 0
+        for i, skey in enumerate(d.scoped(list(keys))):
+            out = outs[i] if outs is not None else None
+            r, n = d.read(skey, out, get_into, nsfp, self.verify, self.counters)
+            results.append(r)
+            if r is FALLBACK:
+                rest.append(i)
+            elif n:
+                served.append(keys[i])
+                nbytes += n
+        if served:
+            self.counters.inc("shm_direct_reads", len(served))
+            whole = None if rest else time.perf_counter() - t0  # else LEASE is timed
+            conn.defer_touch(served, nbytes, whole)
+        if rest:
+            more = self._leased(
+                conn,
+                [keys[i] for i in rest],
+                [outs[i] for i in rest] if outs is not None else None,
+                scope,
+                deadline,
+            )
+            for i, r in zip(rest, more, strict=True):
+                results[i] = r
+        return results
+
+    def _leased(
+        self,
+        conn: DataConn,
+        keys: Sequence[bytes],
+        outs: Sequence[Any] | None,
+        scope: pb.Scope,
+        deadline: float,
+    ) -> list[Any]:
+        """Read under leases the server grants in one round trip (DRAM hits) or inline
+        (everything else); teaches the direct reader the scope's namespace."""
         req = pb.GetRequest(scope=scope, keys=keys)
         sent_ns = time.monotonic_ns()
         resp, _ = conn.call(Op.LEASE, req, pb.GetResponse, deadline)
+        if self.direct is not None:
+            self.direct.learn(scope.model, scope.layout, resp.namespace_fp)
         verify = self.verify or not sent_ns <= resp.server_now_ns <= time.monotonic_ns()
         if verify and not self.verify:
             self.counters.inc("shm_clock_mismatch")  # not one clock: checksums decide
