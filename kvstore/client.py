@@ -414,17 +414,37 @@ def _tls_context(config: ClientConfig) -> ssl.SSLContext | None:
 
 
 class AsyncStoreClient:
-    """asyncio facade of :class:`StoreClient`: each call runs on a private thread pool.
+    """asyncio facade of :class:`StoreClient` (or of a cluster's ClusterClient, see
+    :meth:`from_etcd`): each call runs on a private thread pool.
 
-    Same arguments, methods and errors as StoreClient, as coroutines. Cancelling a call
-    stops the wait, not the transfer already under way (it ends at its own deadline).
+    Same arguments, methods and errors as the client it wraps, as coroutines. Cancelling
+    a call stops the wait, not the transfer already under way (it ends at its own
+    deadline).
     """
 
     def __init__(self, address: str, **kwargs: Any) -> None:
-        self.sync = StoreClient(address, **kwargs)
-        self._pool = ThreadPoolExecutor(
-            self.sync.config.pool_size, thread_name_prefix="kvstore-client"
-        )
+        self._wrap(StoreClient(address, **kwargs))
+
+    def _wrap(self, sync: Any) -> None:
+        self.sync = sync
+        self._pool = ThreadPoolExecutor(sync.config.pool_size, thread_name_prefix="kvstore-client")
+
+    @classmethod
+    async def from_etcd(
+        cls, endpoint: str = "127.0.0.1:2379", *, cluster: str = "default", **kwargs: Any
+    ) -> AsyncStoreClient:
+        """An open asyncio client of a whole cluster found through etcd (the async face
+        of :meth:`StoreClient.from_etcd`; data calls take no ``namespace=`` there)."""
+        from kvstore.cluster_client import ClusterClient
+
+        self = cls.__new__(cls)
+        self._wrap(ClusterClient(endpoint, cluster, **kwargs))
+        try:
+            await self._run(self.sync.open, check=False)
+        except BaseException:
+            self._pool.shutdown(wait=False)
+            raise
+        return self
 
     @classmethod
     async def connect(cls, address: str, **kwargs: Any) -> AsyncStoreClient:
@@ -467,12 +487,12 @@ class AsyncStoreClient:
         namespace: Namespace | None = None,
         timeout: float | None = None,
     ) -> bool:
-        return await self._run(self.sync.put, key, value, namespace=namespace, timeout=timeout)
+        return await self._run(self.sync.put, key, value, **_kw(namespace, timeout))
 
     async def get(
         self, key: bytes, *, namespace: Namespace | None = None, timeout: float | None = None
     ) -> Any:
-        return await self._run(self.sync.get, key, namespace=namespace, timeout=timeout)
+        return await self._run(self.sync.get, key, **_kw(namespace, timeout))
 
     async def get_into(
         self,
@@ -482,7 +502,7 @@ class AsyncStoreClient:
         namespace: Namespace | None = None,
         timeout: float | None = None,
     ) -> bool:
-        return await self._run(self.sync.get_into, key, out, namespace=namespace, timeout=timeout)
+        return await self._run(self.sync.get_into, key, out, **_kw(namespace, timeout))
 
     async def batch_put(
         self,
@@ -492,9 +512,7 @@ class AsyncStoreClient:
         namespace: Namespace | None = None,
         timeout: float | None = None,
     ) -> list[bool | KVStoreError]:
-        return await self._run(
-            self.sync.batch_put, keys, values, namespace=namespace, timeout=timeout
-        )
+        return await self._run(self.sync.batch_put, keys, values, **_kw(namespace, timeout))
 
     async def batch_get(
         self,
@@ -503,7 +521,7 @@ class AsyncStoreClient:
         namespace: Namespace | None = None,
         timeout: float | None = None,
     ) -> list[Any]:
-        return await self._run(self.sync.batch_get, keys, namespace=namespace, timeout=timeout)
+        return await self._run(self.sync.batch_get, keys, **_kw(namespace, timeout))
 
     async def batch_get_into(
         self,
@@ -513,9 +531,7 @@ class AsyncStoreClient:
         namespace: Namespace | None = None,
         timeout: float | None = None,
     ) -> list[bool | KVStoreError]:
-        return await self._run(
-            self.sync.batch_get_into, keys, outs, namespace=namespace, timeout=timeout
-        )
+        return await self._run(self.sync.batch_get_into, keys, outs, **_kw(namespace, timeout))
 
     async def exists(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[bool]:
         return await self._run(self.sync.exists, keys, timeout=timeout)
@@ -537,3 +553,15 @@ class AsyncStoreClient:
 
     async def drain(self, draining: bool = True, *, timeout: float | None = None) -> bool:
         return await self._run(self.sync.drain, draining, timeout=timeout)
+
+    async def control(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
+        """See :meth:`StoreClient.control`."""
+        return await self._run(self.sync.control, method, request, timeout=timeout)
+
+
+def _kw(namespace: Namespace | None, timeout: float | None) -> dict[str, Any]:
+    """Keyword arguments of a data call; ``namespace`` only when given (a cluster
+    client's calls take none)."""
+    if namespace is None:
+        return {"timeout": timeout}
+    return {"namespace": namespace, "timeout": timeout}

@@ -7,6 +7,7 @@ waiting out its old lease. Node lease TTLs are 2 s (etcd's minimum).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -25,7 +26,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvstore import StoreClient
+from kvstore import AsyncStoreClient, StoreClient
 from kvstore.auth import Principal
 from kvstore.cli import main
 from kvstore.cluster_client import ClusterClient
@@ -168,6 +169,29 @@ def test_from_etcd_puts_to_chosen_node_and_gets_across_nodes(pair: Cluster) -> N
         assert c.remove(ka[:2]) == 2
         assert c.get(ka[0]) is None  # even while the mirror still lists it: a miss on a
         wait_until(lambda: c.exists(ka[:3]) == [False, False, True], 5, "removal in mirror")
+
+
+def test_async_client_of_a_cluster(pair: Cluster) -> None:
+    keys = [os.urandom(16) for _ in range(4)]
+
+    async def go() -> None:
+        c = await AsyncStoreClient.from_etcd(
+            pair.etcd, cluster=pair.name, token=ALPHA.token, node_id="b", timeout_s=5.0
+        )
+        try:
+            assert await c.batch_put(keys, [value_for(k) for k in keys]) == [True] * 4
+            assert await c.match_prefix(keys) == 4
+            got = await asyncio.gather(*(c.get(k) for k in keys))
+            assert all(np.array_equal(g, value_for(k)) for g, k in zip(got, keys, strict=True))
+            out = np.empty_like(value_for(keys[0]))
+            assert await c.get_into(keys[0], out) and np.array_equal(out, value_for(keys[0]))
+            assert (await c.stats())["client"]["served.b"] >= 5
+            assert await c.remove(keys) == 4
+        finally:
+            await c.close()
+        assert c.state == "closed"
+
+    asyncio.run(go())
 
 
 def test_gets_prefer_the_faster_tier(pair: Cluster) -> None:
