@@ -51,7 +51,8 @@ examples:
 
 Pinned blocks (being read) are never evicted; the command says how many it skipped.
 --prefix matches stored keys as 'kvstore ls' shows them (tenant-scoped hashes).
---tenant/--namespace select blocks written with a model scope since the node started.
+--tenant/--namespace select blocks written with a model scope (names kept beside the
+SSD tier across restarts, and carried along by 'kvstore drain').
 """
 _DRAIN_EXAMPLE = """\
 examples:

@@ -32,11 +32,14 @@ class StoredBlock:
 
 @dataclass(frozen=True, slots=True)
 class RawBlock:
-    """A block exported from a node: its stored key, header and payload."""
+    """A block exported from a node: its stored key, header and payload, and the
+    (tenant, model) its namespace fingerprint stands for ("" when the node did not know)."""
 
     key: bytes
     header: BlockHeader
     payload: bytes
+    tenant: str = ""
+    model: str = ""
 
 
 class AdminClient:
@@ -133,16 +136,19 @@ class AdminClient:
             err = error_of(ref.error)
             if err is not None:
                 raise err
-            out.append(
-                RawBlock(key, BlockHeader.unpack(ref.header), ref.payload) if ref.found else None
-            )
+            if not ref.found:
+                out.append(None)
+                continue
+            header = BlockHeader.unpack(ref.header)
+            out.append(RawBlock(key, header, ref.payload, ref.tenant, ref.model))
         return out
 
     def import_blocks(
         self, blocks: Sequence[RawBlock], *, timeout: float | None = None
     ) -> list[bool | KVStoreError]:
         """Store blocks under their stored keys: True stored, False already there, or
-        that block's error. The node checks each payload against its header's xxh3."""
+        that block's error. The node checks each payload against its header's xxh3, and
+        records each block's (tenant, model), when given, for its admin filters."""
         req = pb.PutRequest()
         for b in blocks:
             h = b.header
@@ -153,6 +159,8 @@ class AdminClient:
                 checksum=h.checksum,
                 payload=b.payload,
                 namespace_fp=h.namespace_fp,
+                tenant=b.tenant,
+                model=b.model,
             )
         r = self.client.control("Import", req, timeout=timeout)
         return [error_of(res.error) or bool(res.stored) for res in r.results]

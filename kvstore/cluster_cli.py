@@ -9,8 +9,9 @@ scoped hashes (kvstore/auth.py), not the keys a client sent.
 
 Directory entries carry no namespace, so ``ls --tenant``/``--namespace`` asks every
 live node instead, through the admin Scan RPC (an admin token, as ``kvstore evict``
-needs): each node resolves the tenant and model to the namespaces it has seen
-written since it started, exactly as an eviction with the same filters would.
+needs): each node resolves the tenant and model to the namespaces its requests used
+(kept beside its SSD tier across restarts) and its imports were named with, exactly as
+an eviction with the same filters would.
 
 Tables fit 80 columns; ``--json`` prints one JSON document instead.
 """
@@ -51,7 +52,7 @@ examples:
   KVSTORE_TOKEN=... kvstore ls --model llama-3-8b --tier ssd --json
 
 Keys are stored keys (tenant-scoped hashes). --tenant/--namespace select blocks
-written with a model scope since each node started, as 'kvstore evict' does.
+written with a model scope, as 'kvstore evict' does.
 """
 
 

@@ -3,9 +3,11 @@
 The order matters for clients: the node first refuses new writes (reads keep working,
 kvstore/gateway.py), then each page of its blocks is exported, imported on a target
 node under the same stored key and namespace fingerprint (so its owner's own key
-still finds it there), and only then purged from the source. A reader of the source
-therefore gets the block or a clean miss, never an error; a block still pinned by a
-reader leaves the index at once and its bytes at the reader's last unpin.
+still finds it there) and with the fingerprint's tenant and model when the source
+knows them (so admin filters on the target select it), and only then purged from the
+source. A reader of the source therefore gets the block or a clean miss, never an
+error; a block still pinned by a reader leaves the index at once and its bytes at the
+reader's last unpin.
 
 A block that cannot move (too large for one message, refused by every target, or no
 targets given with ``drop``) is dropped: this is a cache, and the owner re-prefills.

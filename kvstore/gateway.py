@@ -47,6 +47,7 @@ from kvstore.errors import (
 from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
 from kvstore.leases import Lease, LeaseKind, LeaseTable
+from kvstore.namespaces import NamespaceRegistry
 from kvstore.node import BlockRead, Reservation, StoreNode
 from kvstore.stats import NodeCounters, split_key
 from kvstore.tiers.base import TierKind
@@ -110,7 +111,9 @@ def _nothing() -> None:
 class Gateway:
     """Scoped, checked node operations for authenticated principals."""
 
-    def __init__(self, node: StoreNode, config: ServerConfig) -> None:
+    def __init__(
+        self, node: StoreNode, config: ServerConfig, names: NamespaceRegistry | None = None
+    ) -> None:
         self.node = node
         self.config = config
         self.max_value_bytes = node.config.max_value_bytes
@@ -122,14 +125,16 @@ class Gateway:
         self.on_drain: Callable[[bool], Awaitable[None]] | None = None
         self._ns: dict[tuple[str, str, str], Namespace] = {}
         self._ns_lock = threading.Lock()
-        # Namespace fingerprint -> (tenant, model) of every scope seen in a request since
-        # start (guarded by _ns_lock; one entry per namespace, not per block): how an
-        # admin eviction by tenant or model finds blocks the node knows by fingerprint.
-        self.fingerprints: dict[bytes, tuple[str, str]] = {}
+        # Fingerprint -> (tenant, model) of every scope resolved here (and of blocks a
+        # drain imported): how admin filters by tenant or model find blocks the node
+        # knows by fingerprint. Persisted beside the SSD tier when the server has one.
+        self.names = names if names is not None else NamespaceRegistry()
 
     def close(self) -> None:
-        """End every lease (pins and reservations go back to the node)."""
+        """End every lease (pins and reservations go back to the node); close the
+        namespace registry."""
         self.leases.close()
+        self.names.close()
 
     # -- checks ------------------------------------------------------------------------
 
@@ -160,17 +165,8 @@ class Gateway:
                 if len(self._ns) > 4096:
                     self._ns.clear()
                 self._ns[key] = ns
-                self.fingerprints.setdefault(ns.fingerprint(), (p.tenant, model))
+            self.names.add(ns.fingerprint(), p.tenant, model)  # a no-op once known
         return ns
-
-    def fingerprints_of(self, tenant: str = "", model: str = "") -> frozenset[bytes]:
-        """Fingerprints of the namespaces seen for a tenant and/or model ("" any)."""
-        with self._ns_lock:
-            return frozenset(
-                fp
-                for fp, (t, m) in self.fingerprints.items()
-                if (not tenant or t == tenant) and (not model or m == model)
-            )
 
     # -- accounting (the service's counters, kvstore/metrics_names.py) --------------------
 

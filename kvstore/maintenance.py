@@ -4,7 +4,11 @@ These are what ``kvstore evict`` and ``kvstore drain`` run on a server. They add
 blocks by their *stored* keys (already scoped by tenant, kvstore/auth.py) rather than
 by a caller's keys: an operator acts on every tenant's blocks, and a block moved to
 another node must keep the exact key and namespace fingerprint its owner reads it by.
-Every entry point checks the admin flag first. Wire formats stay in service.py.
+Filters by tenant or model go through the gateway's namespace registry
+(kvstore/namespaces.py); an exported block carries its fingerprint's (tenant, model)
+when this node knows them, and an import records them, so the filters keep selecting
+a block after a drain moved it. Every entry point checks the admin flag first. Wire
+formats stay in service.py.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from kvstore.node import BlockRead
 from kvstore.selection import BlockFilter, EvictResult
 from kvstore.tiers.base import TierKind
 
-__all__ = ["EvictSpec", "ImportItem", "Maintenance", "MAX_SCAN", "ScanSpec"]
+__all__ = ["EvictSpec", "ExportedBlock", "ImportItem", "Maintenance", "MAX_SCAN", "ScanSpec"]
 
 log = logging.getLogger(__name__)
 MAX_SCAN = 4096  # blocks per Scan reply: a few hundred KiB of metadata at most
@@ -54,14 +58,28 @@ class ScanSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class ExportedBlock:
+    """One stored block handed out for a move: packed header, payload, and the
+    (tenant, model) of its namespace fingerprint ("" when this node does not know them)."""
+
+    header: bytes
+    payload: bytes
+    tenant: str = ""
+    model: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class ImportItem:
-    """One block moved in from another node, under its stored key."""
+    """One block moved in from another node, under its stored key; ``tenant`` and
+    ``model`` name its namespace fingerprint when the source knew them (both or neither)."""
 
     key: bytes
     info: ValueInfo
     payload: bytes
     checksum: int
     namespace_fp: bytes
+    tenant: str = ""
+    model: str = ""
 
 
 class Maintenance:
@@ -79,7 +97,7 @@ class Maintenance:
             raise InvalidValue(f"idle_s must be >= 0, got {spec.idle_s}")
         namespaces = None
         if spec.tenant or spec.model:
-            namespaces = self.gw.fingerprints_of(spec.tenant, spec.model)
+            namespaces = self.gw.names.select(spec.tenant, spec.model)
         flt = BlockFilter(namespaces, spec.key_prefix, spec.idle_s)
         res = self.node.evict_where(
             kind, spec.target_bytes, flt, dry_run=spec.dry_run, list_limit=spec.list_limit
@@ -106,7 +124,7 @@ class Maintenance:
         if spec is not None and (spec.tenant or spec.model or spec.key_prefix):
             namespaces = None
             if spec.tenant or spec.model:
-                namespaces = self.gw.fingerprints_of(spec.tenant, spec.model)
+                namespaces = self.gw.names.select(spec.tenant, spec.model)
             flt = BlockFilter(namespaces, spec.key_prefix)
         n = min(max(limit, 1), MAX_SCAN)
         rows = self.node.scan(n + 1, kind, flt)
@@ -114,12 +132,12 @@ class Maintenance:
 
     def export(
         self, p: Principal, keys: Sequence[bytes], budget: int
-    ) -> list[tuple[bytes, bytes] | None]:
-        """(header, payload) of each stored key, None when absent; at most ``budget``
-        payload bytes in all (LimitExceeded past it: ask for fewer keys)."""
+    ) -> list[ExportedBlock | None]:
+        """Each stored key's block, None when absent; at most ``budget`` payload bytes in
+        all (LimitExceeded past it: ask for fewer keys)."""
         p.require_admin("export")
         self.gw.check_batch(len(keys))
-        out: list[tuple[bytes, bytes] | None] = []
+        out: list[ExportedBlock | None] = []
         for key in keys:
             blk = self.node.open_read(as_key(key))
             if blk is None:
@@ -129,7 +147,8 @@ class Maintenance:
                 budget -= blk.header.payload_len
                 if budget < 0:
                     raise LimitExceeded("exported payloads exceed one message; export fewer keys")
-                out.append((blk.header.pack(), _host_bytes(blk)))
+                tenant, model = self.gw.names.get(blk.header.namespace_fp) or ("", "")
+                out.append(ExportedBlock(blk.header.pack(), _host_bytes(blk), tenant, model))
             finally:
                 self.node.close_read(blk)
         self.gw.counters.inc("exported_blocks", sum(1 for o in out if o is not None))
@@ -137,7 +156,8 @@ class Maintenance:
 
     def import_blocks(self, p: Principal, items: Sequence[ImportItem]) -> list[bool | KVStoreError]:
         """Store each block under its stored key: True stored, False already present,
-        or that block's error (a checksum mismatch included)."""
+        or that block's error (a checksum mismatch included). The names a stored or
+        present block came with are recorded for admin filters."""
         p.require_admin("import")
         self.gw.check_batch(len(items))
         if self.gw.draining:
@@ -157,8 +177,12 @@ class Maintenance:
             raise InvalidValue(
                 f"payload is {len(item.payload)} bytes, meta says {item.info.nbytes}"
             )
+        named = bool(item.tenant or item.model)
+        if named and not (item.tenant and item.model and item.namespace_fp):
+            raise InvalidValue("an imported block's names need a tenant, a model and its fp")
         key = as_key(item.key)
         if self.node.exists([key])[0]:
+            self._record_names(item)
             return False
         res = self.node.reserve(key, item.info, namespace_fp=item.namespace_fp or None)
         try:
@@ -168,7 +192,13 @@ class Maintenance:
         except BaseException:
             self.node.abort(res)
             raise
-        return self.node.commit(res, expected_checksum=item.checksum)
+        stored = self.node.commit(res, expected_checksum=item.checksum)
+        self._record_names(item)
+        return stored
+
+    def _record_names(self, item: ImportItem) -> None:
+        if item.tenant and item.model:
+            self.gw.names.add(item.namespace_fp, item.tenant, item.model)
 
     def purge(self, p: Principal, keys: Sequence[bytes]) -> int:
         """Remove stored keys; how many were present (pinned ones go at last unpin)."""

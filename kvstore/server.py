@@ -6,7 +6,8 @@ Start-up validates everything before listening: the node and server configs (def
 ports; each bad setting is a one-line error naming it. Shutdown (SIGTERM, SIGINT or
 :meth:`StoreServer.stop`) stops accepting, closes data connections (ending their leases
 and aborting half-received writes), then closes the node, whose SSD tier is reopened
-and re-announced by the next start.
+and re-announced by the next start, with the namespace names kept beside it
+(kvstore/namespaces.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from kvstore.config import NodeConfig, ServerConfig, load_layered, read_config_f
 from kvstore.errors import ConfigError
 from kvstore.gateway import Gateway
 from kvstore.membership import Membership, node_record
+from kvstore.namespaces import NamespaceRegistry
 from kvstore.node import StoreNode
 from kvstore.service import StoreServicer
 from kvstore.transport.dataserver import DataServer
@@ -74,7 +76,8 @@ class StoreServer:
         self._shm_size = int(self.node.stats()["tiers"].get("dram", {}).get("capacity", 0))
         try:
             self._shm_index = self.node.publish_index()
-            gw = self._gateway = Gateway(self.node, c)
+            names = NamespaceRegistry.open(self.node_config.ssd_path)  # beside SSD blocks
+            gw = self._gateway = Gateway(self.node, c, names)
             gw.leases.start_reaper()
             self._data = DataServer(gw, self.tokens, self.info, c, self._tls)
             self.data_port = self._data.start(f"kvstore-{self.node.node_id}-{self.instance_id}")

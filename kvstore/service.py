@@ -289,7 +289,8 @@ class StoreServicer(pb_grpc.StoreServicer):
         for b in blocks:
             ref = resp.blocks.add(offset=-1)
             if b is not None:
-                ref.found, ref.header, ref.payload = True, b[0], b[1]
+                ref.found, ref.header, ref.payload = True, b.header, b.payload
+                ref.tenant, ref.model = b.tenant, b.model
         return resp
 
     @_rpc(admin="import")
@@ -303,7 +304,11 @@ class StoreServicer(pb_grpc.StoreServicer):
             except KVStoreError as exc:
                 out.error.CopyFrom(status_of(exc))
                 continue
-            items.append(ImportItem(it.key, info, it.payload, it.checksum, it.namespace_fp))
+            items.append(
+                ImportItem(
+                    it.key, info, it.payload, it.checksum, it.namespace_fp, it.tenant, it.model
+                )
+            )
             slots.append(out)
         results = await self._run(self.admin.import_blocks, p, items)
         for out, r in zip(slots, results, strict=True):

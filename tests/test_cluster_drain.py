@@ -1,7 +1,8 @@
 """Operator commands on a real cluster (etcd + two ``kvstore serve --etcd`` processes):
 a drain moves clients' writes off a node through its directory record while its
 blocks stay readable, and ``kvstore ls --tenant/--namespace`` asks every node for
-exactly the blocks of one namespace.
+exactly the blocks of one namespace, blocks a drain moved (and a restart reloaded)
+included.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from kvstore import Namespace
+from kvstore.admin_client import AdminClient
 from kvstore.auth import Principal
 from kvstore.cli import main
 from kvstore.cluster_client import ClusterClient
@@ -250,5 +252,51 @@ def test_ls_by_namespace_asks_each_node_and_is_exact(
         assert max(len(line) for line in out.splitlines()) <= 80
         assert main(["ls", *where, "--tenant", "alpha", "--token", ALPHA.token]) == 1
         assert "needs an admin token" in capsys.readouterr().err
+    finally:
+        stop(cl)
+
+
+def test_ls_by_namespace_finds_blocks_a_drain_moved(
+    etcd_server: EtcdProcess,
+    cluster_name: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Node b learns the names of the namespaces it imports, from a, not from any
+    client using them on b; they are kept beside its SSD tier across a restart."""
+    cl = two_nodes(etcd_server, cluster_name, tmp_path)
+    a, b = cl.servers["a"], cl.servers["b"]
+    where = ("--etcd", cl.etcd, "--cluster", cl.name, "--token", ADMIN.token, "--limit", "0")
+    want: dict[tuple[str, str], set[str]] = {}
+    try:
+        for token, model, n in ((ALPHA, "m1", 4), (ALPHA, "m2", 2), (BRAVO, "m1", 3)):
+            ks = [os.urandom(16) for _ in range(n)]
+            with a.client(token, namespace=Namespace(model, LAYOUT)) as c:
+                assert c.batch_put(ks, [_value(i) for i in range(n)]) == [True] * n
+            want[(token.tenant, model)] = {Principal(token.tenant).scope(k).hex() for k in ks}
+        with a.client(ADMIN) as c:
+            AdminClient(c).evict("dram", 4 * 1024)  # some on a's SSD, some in its DRAM
+            assert 0 < c.stats()["tiers"]["ssd"]["blocks"] < 9
+
+        def ls(*flags: str) -> set[tuple[str, str]]:
+            doc = cli_json(capsys, "ls", *where, *flags)
+            assert doc["errors"] == [] and doc["more"] == []
+            return {(e["key"], e["node"]) for e in doc["entries"]}
+
+        def on(node: str, *scopes: tuple[str, str]) -> set[tuple[str, str]]:
+            return {(k, node) for s in scopes for k in want[s]}
+
+        assert ls("--tenant", "alpha") == on("a", ("alpha", "m1"), ("alpha", "m2"))
+        assert main(["drain", a.address, "--to", b.address, "--token", ADMIN.token]) == 0
+        capsys.readouterr()
+        assert ls("--namespace", "m1", "--tenant", "alpha") == on("b", ("alpha", "m1"))
+        assert ls("--namespace", "m1") == on("b", ("alpha", "m1"), ("bravo", "m1"))
+        assert ls("--tenant", "alpha") == on("b", ("alpha", "m1"), ("alpha", "m2"))
+
+        with b.client(ADMIN) as c:  # to b's SSD, then a restart reloads them from there
+            AdminClient(c).evict("dram", 0)
+        b.restart()
+        assert ls("--tenant", "bravo", "--tier", "ssd") == on("b", ("bravo", "m1"))
+        assert ls("--namespace", "m2") == on("b", ("alpha", "m2"))
     finally:
         stop(cl)

@@ -148,20 +148,24 @@ class GetRequest(_message.Message):
     def __init__(self, scope: _Optional[_Union[Scope, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class BlockRef(_message.Message):
-    __slots__ = ("found", "header", "payload", "lease_id", "offset", "error")
+    __slots__ = ("found", "header", "payload", "lease_id", "offset", "error", "tenant", "model")
     FOUND_FIELD_NUMBER: _ClassVar[int]
     HEADER_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     found: bool
     header: bytes
     payload: bytes
     lease_id: int
     offset: int
     error: Status
-    def __init__(self, found: _Optional[bool] = ..., header: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., lease_id: _Optional[int] = ..., offset: _Optional[int] = ..., error: _Optional[_Union[Status, _Mapping]] = ...) -> None: ...
+    tenant: str
+    model: str
+    def __init__(self, found: _Optional[bool] = ..., header: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., lease_id: _Optional[int] = ..., offset: _Optional[int] = ..., error: _Optional[_Union[Status, _Mapping]] = ..., tenant: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class GetResponse(_message.Message):
     __slots__ = ("blocks", "shm_name", "lease_expires_ns", "server_now_ns", "namespace_fp")
@@ -188,18 +192,22 @@ class TouchRequest(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., payload_bytes: _Optional[int] = ..., call_seconds: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PutItem(_message.Message):
-    __slots__ = ("key", "meta", "checksum", "payload", "namespace_fp")
+    __slots__ = ("key", "meta", "checksum", "payload", "namespace_fp", "tenant", "model")
     KEY_FIELD_NUMBER: _ClassVar[int]
     META_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FP_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     meta: ValueMeta
     checksum: int
     payload: bytes
     namespace_fp: bytes
-    def __init__(self, key: _Optional[bytes] = ..., meta: _Optional[_Union[ValueMeta, _Mapping]] = ..., checksum: _Optional[int] = ..., payload: _Optional[bytes] = ..., namespace_fp: _Optional[bytes] = ...) -> None: ...
+    tenant: str
+    model: str
+    def __init__(self, key: _Optional[bytes] = ..., meta: _Optional[_Union[ValueMeta, _Mapping]] = ..., checksum: _Optional[int] = ..., payload: _Optional[bytes] = ..., namespace_fp: _Optional[bytes] = ..., tenant: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class PutRequest(_message.Message):
     __slots__ = ("scope", "items")

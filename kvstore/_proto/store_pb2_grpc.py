@@ -259,14 +259,16 @@ class StoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Export(self, request, context):
-        """Blocks by stored key, header and payload inline (a miss: found = false).
+        """Blocks by stored key, header and payload inline (a miss: found = false), each with
+        the tenant and model of its namespace fingerprint when the node knows them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Import(self, request, context):
-        """Store blocks under stored keys (PutItem.namespace_fp kept); refused while draining.
+        """Store blocks under stored keys (PutItem.namespace_fp kept, and its tenant and model
+        recorded for the admin filters); refused while draining.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
