@@ -239,3 +239,27 @@ def test_a_restarted_server_is_read_through_its_new_index(server_factory) -> Non
         assert np.array_equal(c.get(key), _value(4, 5))
         assert np.array_equal(c.get(key), _value(4, 5))
         assert c.counters.get("shm_direct_reads") >= 2
+
+
+def test_a_lost_touch_report_does_not_fail_the_read() -> None:
+    """The reads a TOUCH reports are done; a socket that breaks while reporting them
+    marks the connection broken (the pool drops it) and the call still succeeds."""
+    from kvstore._proto import store_pb2 as pb
+    from kvstore.errors import TransportError
+    from kvstore.transport.conn import DataConn
+
+    class BrokenSocket:
+        broken = False
+        closed = False
+
+        def set_timeout(self, seconds: float) -> None:
+            pass
+
+        def send_raw(self, data: bytes) -> None:
+            self.broken = True
+            raise TransportError("data socket send: connection reset")
+
+    conn = DataConn(BrokenSocket(), pb.InfoResponse())  # type: ignore[arg-type]
+    for i in range(DataConn.TOUCH_BATCH):
+        conn.defer_touch([_key(i)], 4096, 0.0001)
+    assert not conn.usable and not conn.owes

@@ -9,6 +9,7 @@ stable error code and is raised as that exact class, with the connection still u
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import ssl
 import time
@@ -18,7 +19,7 @@ from typing import Any, TypeVar
 from google.protobuf.message import DecodeError, Message
 
 from kvstore._proto import store_pb2 as pb
-from kvstore.errors import TransportError, error_for_code
+from kvstore.errors import KVStoreError, TransportError, error_for_code
 from kvstore.transport.frames import (
     PROTOCOL,
     REPLY,
@@ -138,7 +139,10 @@ class DataConn:
             len(self.touched) >= self.TOUCH_BATCH
             or time.monotonic() - self.touched_since >= self.TOUCH_DELAY_S
         ):
-            self.flush_releases()
+            # The reads themselves are done and correct: a socket that fails here only
+            # loses their report (the stream is marked broken and the pool drops it).
+            with contextlib.suppress(KVStoreError):
+                self.flush_releases()
 
     @property
     def owes(self) -> bool:
