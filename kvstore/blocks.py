@@ -33,6 +33,7 @@ __all__ = [
     "BlockHeader",
     "ValueInfo",
     "checksum",
+    "checksum_stream",
     "copy_payload",
     "describe",
     "host_bytes",
@@ -72,6 +73,11 @@ _NUMPY_DTYPES = {
 def checksum(payload: Any) -> int:
     """xxh3-64 of a buffer (bytes, memoryview, contiguous numpy array)."""
     return xxhash.xxh3_64_intdigest(payload)
+
+
+def checksum_stream() -> Any:
+    """:func:`checksum` fed piece by piece: ``update(buf)``, then ``intdigest()``."""
+    return xxhash.xxh3_64()
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,6 +37,7 @@ from typing import Any
 from kvstore.config import ServerConfig, child_env, load_layered
 from kvstore.directory.etcd_process import EtcdProcess
 from kvstore.errors import ConfigError, Unavailable
+from kvstore.tiers.shm_index import index_name
 
 __all__ = ["LocalCluster", "NodeProcess"]
 
@@ -223,6 +224,7 @@ class LocalCluster:
             shm = n.facts.get("shm_name")
             if shm and n.proc.returncode != 0:  # a killed node cannot unlink its segment
                 Path("/dev/shm", shm).unlink(missing_ok=True)
+                Path("/dev/shm", index_name(shm)).unlink(missing_ok=True)
         if self.etcd is not None:
             self.etcd.stop()
             self.etcd = None

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore import StoreClient
+from kvstore.tiers.shm_index import index_name
 
 __all__ = [
     "ADMIN",
@@ -149,6 +150,7 @@ class ServerProcess:
         shm = self.facts.get("shm_name")
         if shm:
             Path("/dev/shm", shm).unlink(missing_ok=True)
+            Path("/dev/shm", index_name(shm)).unlink(missing_ok=True)
         return self.proc.returncode
 
     def restart(self, sig: int = signal.SIGTERM) -> ServerProcess:

@@ -5,10 +5,20 @@ of the caller's tensor/array (after the same dtype and size checks as
 ``blocks.copy_payload``, so bytes are never reinterpreted as another dtype), for ``get``
 a new value of the kind that was stored. A CUDA output is filled through a host staging
 buffer copied to the device by ``finish``.
+
+Fresh values of a quarter MiB or more are built on recycled memory (:class:`LandingPool`):
+on this kind of host a first touch costs more per byte than the transfer itself, and
+glibc gives a freed multi-MiB heap top back to the OS, so without it every ``batch_get``
+of a few MiB would fault its whole result in again.
 """
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import os
+import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,7 +35,15 @@ from kvstore.blocks import (
 )
 from kvstore.errors import BlockTooLarge, InvalidValue, KVStoreError, LayoutMismatch
 
-__all__ = ["Landing", "Outgoing", "fresh_landing", "out_landing", "prepare_writes"]
+__all__ = [
+    "LANDING_POOL",
+    "Landing",
+    "LandingPool",
+    "Outgoing",
+    "fresh_landing",
+    "out_landing",
+    "prepare_writes",
+]
 
 
 class Landing:
@@ -72,17 +90,101 @@ def out_landing(header: BlockHeader, out: Any) -> Landing:
     return Landing(np.frombuffer(mv.cast("B"), dtype=np.uint8), _true)
 
 
+class LandingPool:
+    """Recycled, already faulted-in host memory for the fresh values of ``get``.
+
+    A value of ``min_bytes`` or more lives in a region (an anonymous mapping, rounded up
+    to whole pages) exported through a ctypes array made for that value alone. Every
+    view of the value holds that array (numpy views through their ``base`` chain,
+    memoryviews and torch tensors through the buffer they were made from), so a weakref
+    on it fires only once nothing can reach the memory any more; the region then goes
+    back to its size's free list and a later value reuses it without a page fault. At
+    most ``idle_bytes`` wait there: past that, regions of other sizes go first, then the
+    returning one is unmapped.
+
+    Thread-safe. ``_lock`` (reentrant: a weakref callback run by the garbage collector
+    inside a locked section returns a region on the same thread) guards ``_free``,
+    ``_idle`` and ``_live``.
+    """
+
+    def __init__(self, min_bytes: int = 256 << 10, idle_bytes: int = 64 << 20) -> None:
+        self.min_bytes = min_bytes
+        self.idle_bytes = idle_bytes
+        self._lock = threading.RLock()
+        self._free: dict[int, list[mmap.mmap]] = {}  # page-rounded size -> idle regions
+        self._idle = 0
+        # id(weakref) -> (the weakref, kept alive here; size; region) of each lent region
+        self._live: dict[int, tuple[weakref.ref[Any], int, mmap.mmap]] = {}
+
+    @property
+    def idle(self) -> int:
+        """Bytes of regions waiting for reuse."""
+        return self._idle
+
+    def buffer(self, n: int) -> Any:
+        """A writable buffer of exactly ``n`` bytes whose memory comes back to the pool
+        when it (and everything made from it) is gone."""
+        size = -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
+        region = None
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                region = free.pop()
+                self._idle -= size
+        if region is None:
+            region = mmap.mmap(-1, size)
+        exporter = (ctypes.c_ubyte * n).from_buffer(region)
+        ref = weakref.ref(exporter, self._returned)
+        with self._lock:
+            self._live[id(ref)] = (ref, size, region)
+        return exporter
+
+    def _returned(self, ref: weakref.ref[Any]) -> None:
+        with self._lock:
+            _, size, region = self._live.pop(id(ref))
+            if self._idle + size > self.idle_bytes:
+                for other, free in self._free.items():
+                    while free and other != size and self._idle + size > self.idle_bytes:
+                        free.pop(0)
+                        self._idle -= other
+                if self._idle + size > self.idle_bytes:
+                    return  # unmapped once the last reference goes
+            self._free.setdefault(size, []).append(region)
+            self._idle += size
+
+    def _after_fork(self) -> None:
+        self._lock = threading.RLock()  # a child must not inherit a lock held mid-call
+
+
+LANDING_POOL = LandingPool()
+os.register_at_fork(after_in_child=LANDING_POOL._after_fork)
+
+
 def fresh_landing(header: BlockHeader) -> Landing:
     """Land a block in a new value of the stored kind (``get``)."""
     n = header.payload_len
+    pooled = n >= LANDING_POOL.min_bytes
     if header.kind == KIND_TORCH:
         import torch
 
-        t = torch.empty(header.shape, dtype=getattr(torch, header.dtype))
+        dtype = getattr(torch, header.dtype)
+        if pooled:
+            raw = torch.frombuffer(LANDING_POOL.buffer(n), dtype=torch.uint8)
+            t = raw.view(dtype).reshape(header.shape)
+        else:
+            t = torch.empty(header.shape, dtype=dtype)
         return Landing(t.reshape(-1).view(torch.uint8).numpy(), lambda: t)
     if header.kind == KIND_NUMPY:
-        arr = np.empty(header.shape, dtype=np.dtype(header.dtype))
+        dt = np.dtype(header.dtype)
+        if pooled:
+            flat = np.frombuffer(LANDING_POOL.buffer(n), dtype=np.uint8)
+            arr = flat.view(dt).reshape(header.shape)
+            return Landing(flat, lambda: arr)
+        arr = np.empty(header.shape, dtype=dt)
         return Landing(arr.reshape(-1).view(np.uint8), lambda: arr)
+    if pooled:  # bytes are immutable: land in a pooled buffer, then one copy out
+        view = np.frombuffer(LANDING_POOL.buffer(n), dtype=np.uint8)
+        return Landing(view, view.tobytes)
     buf = bytearray(n)
     return Landing(np.frombuffer(buf, dtype=np.uint8), lambda: bytes(buf))
 

@@ -2,10 +2,12 @@
 
 A read is one GET frame naming the keys; the reply's metadata gives each block's header
 and the payloads follow back to back, each received with ``recv_into`` straight into the
-caller's tensor (``get_into``) or a fresh value (``get``) and then checked against the
-header's xxh3. A write is one PUT frame whose payloads are sent from the values' own
-memory (no staging copy); the server receives them into reserved slab extents and the
-node verifies each against the xxh3 computed here.
+caller's tensor (``get_into``) or a fresh value (``get``, on recycled memory: see
+buffers.py) and checked against the header's xxh3, computed while the rest of the
+payload is still arriving (the receive polls rather than sleeps: see frames.py). A
+write is one PUT frame whose payloads are sent from the values' own memory (no staging
+copy); the server receives them into reserved slab extents and the node verifies each
+against the xxh3 computed here.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstore._proto import store_pb2 as pb
-from kvstore.blocks import BlockHeader, checksum
+from kvstore.blocks import BlockHeader, checksum_stream
 from kvstore.errors import CorruptBlock, KVStoreError, TransportError
 from kvstore.stats import NodeCounters
 from kvstore.transport.base import Transport
@@ -50,8 +52,10 @@ def receive_inline(
     except KVStoreError as exc:
         conn.discard(header.payload_len)
         return exc
-    conn.recv_into(landing.view)
-    if checksum(landing.view) != header.checksum:
+    digest = checksum_stream()  # hashed while waiting for the rest to arrive
+    view = memoryview(landing.view)  # type: ignore[arg-type]
+    conn.fs.recv_into(view, spin=True, digest=digest)  # the server is sending it right now
+    if digest.intdigest() != header.checksum:
         counters.inc("corrupt_transfers")
         log.warning(
             "block %s failed its checksum after transfer; served as a miss", header.key.hex()
