@@ -263,3 +263,37 @@ def test_a_lost_touch_report_does_not_fail_the_read() -> None:
     for i in range(DataConn.TOUCH_BATCH):
         conn.defer_touch([_key(i)], 4096, 0.0001)
     assert not conn.usable and not conn.owes
+
+
+def test_big_batches_are_reported_in_frames_the_server_accepts(
+    store_server: ServerProcess,
+) -> None:
+    keys = [f"direct-big-{i:05d}".encode().ljust(16, b".") for i in range(300)]
+    with store_server.client(ALPHA, transport="shm") as c:
+        assert c.batch_put(keys, [_value(i, 1, 4 * KiB) for i in range(300)]) == [True] * 300
+        outs = [np.empty(4 * KiB, dtype=np.uint8) for _ in keys]
+        before = c.stats()["counters"].get("hits_dram", 0)
+        for _ in range(3):  # the first learns the scope; 600 keys then read directly
+            assert c.batch_get_into(keys, outs) == [True] * 300
+        assert c.counters.get("shm_direct_reads") == 600
+        assert c.stats()["counters"]["hits_dram"] - before == 900
+
+
+def test_an_oversized_touch_is_dropped_without_a_reply(store_server: ServerProcess) -> None:
+    """TOUCH has no reply: one the server refuses must not put an ERROR frame where the
+    client expects the answer to its next request."""
+    from kvstore._proto import store_pb2 as pb
+    from kvstore.transport.conn import DataConn
+    from kvstore.transport.frames import Op, frame
+
+    conn = DataConn.open(
+        ("127.0.0.1", store_server.data_port), ALPHA.token, deadline=time.monotonic() + 5
+    )
+    try:
+        too_many = pb.TouchRequest(keys=[_key(i) for i in range(5000)])
+        conn.fs.send_raw(frame(Op.TOUCH, too_many.SerializeToString()))
+        req = pb.KeysRequest(keys=[_key(1)])
+        reply, _ = conn.call(Op.EXISTS, req, pb.ExistsResponse, time.monotonic() + 5)
+        assert list(reply.present) == [False]
+    finally:
+        conn.close()

@@ -160,11 +160,14 @@ class DataConn:
         out = b""
         if self.touched:
             keys, self.touched = self.touched, []
-            req = pb.TouchRequest(
-                keys=keys, payload_bytes=self.touched_bytes, call_seconds=self.touched_calls
-            )
+            step = self.TOUCH_BATCH  # never more keys in a frame than any server allows
+            for i in range(0, len(keys), step):
+                req = pb.TouchRequest(keys=keys[i : i + step])
+                if not i:  # totals ride on the first frame
+                    req.payload_bytes = self.touched_bytes
+                    req.call_seconds.extend(self.touched_calls)
+                out += frame(Op.TOUCH, req.SerializeToString())
             self.touched_bytes, self.touched_calls = 0, []
-            out = frame(Op.TOUCH, req.SerializeToString())
         if self.pending:
             ids, self.pending = self.pending, []
             out += frame(Op.RELEASE, pb.LeaseRequest(lease_ids=ids).SerializeToString())

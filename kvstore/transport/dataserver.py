@@ -366,11 +366,22 @@ class _Session:
 
     def release(self, meta: bytes, body_len: int) -> None:
         req = _parse(pb.LeaseRequest, meta)
-        self.gw.release_reads(self.principal, req.lease_ids)
+        try:  # no reply, not even an error (see touch)
+            self.gw.release_reads(self.principal, req.lease_ids)
+        except KVStoreError as exc:
+            log.warning("data connection %d: RELEASE failed: %s", self.id, exc)
 
     def touch(self, meta: bytes, body_len: int) -> None:
+        # No reply, not even an error: an ERROR frame here would answer the client's
+        # next request. What cannot be counted is logged and dropped.
         req = _parse(pb.TouchRequest, meta)
-        self.gw.touch(self.principal, req.keys, req.payload_bytes)
+        try:
+            self.gw.touch(self.principal, req.keys, req.payload_bytes)
+        except KVStoreError as exc:
+            log.warning(
+                "data connection %d: TOUCH of %d keys dropped: %s", self.id, len(req.keys), exc
+            )
+            return
         for seconds in req.call_seconds:
             self.gw.counters.observe("get", "shm", seconds)
 
