@@ -23,11 +23,14 @@ __all__ = ["AdminClient", "RawBlock", "StoredBlock"]
 
 @dataclass(frozen=True, slots=True)
 class StoredBlock:
-    """A block as a node lists it: stored key, tier, header + payload bytes."""
+    """A block as a node lists it: stored key, tier, header + payload bytes, and the
+    tenant and model of its namespace ("" when the node does not know them)."""
 
     key: bytes
     tier: str
     size: int
+    tenant: str = ""
+    model: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +125,9 @@ class AdminClient:
             limit=limit, tier=tier, tenant=tenant, model=model, key_prefix=key_prefix
         )
         r = self.client.control("Scan", req, timeout=timeout)
-        return [StoredBlock(b.key, b.tier, int(b.size)) for b in r.blocks], bool(r.more)
+        return [StoredBlock(b.key, b.tier, int(b.size), b.tenant, b.model) for b in r.blocks], bool(
+            r.more
+        )
 
     def export(
         self, keys: Sequence[bytes], *, timeout: float | None = None

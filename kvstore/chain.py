@@ -424,14 +424,15 @@ class TierChain:
 
     def scan(
         self, limit: int, tier: TierKind | None = None, flt: BlockFilter | None = None
-    ) -> list[tuple[BlockKey, TierKind, int]]:
-        """Up to ``limit`` blocks as (key, tier, size), oldest stored first (dict order):
-        cheap per call, so a drain that removes what it moved can page through a node.
-        ``flt`` (namespaces, key prefix, idle time) narrows it, for ``kvstore ls``."""
+    ) -> list[tuple[BlockKey, TierKind, int, bytes]]:
+        """Up to ``limit`` blocks as (key, tier, size, namespace fingerprint), oldest
+        stored first (dict order): cheap per call, so a drain that removes what it moved
+        can page through a node. ``flt`` (namespaces, key prefix, idle time) narrows it,
+        for ``kvstore ls``."""
         now = time.monotonic()
         with self.lock:
             rows = (
-                (BlockKey(k), self.tiers[e.level].kind, e.size)
+                (BlockKey(k), self.tiers[e.level].kind, e.size, e.header.namespace_fp)
                 for k, e in self.index.items()
                 if (tier is None or self.tiers[e.level].kind is tier)
                 and (flt is None or flt.matches(k, e.header.namespace_fp, e.used_at, now))

@@ -332,7 +332,14 @@ def _scan_nodes(
         if truncated:
             more.append(node_id)
         rows += [
-            {"key": b.key.hex(), "node": node_id, "tier": b.tier, "size": b.size}
+            {
+                "key": b.key.hex(),
+                "node": node_id,
+                "tier": b.tier,
+                "size": b.size,
+                "tenant": b.tenant,
+                "namespace": b.model,
+            }
             for b in blocks
             if b.key.hex().startswith(prefix)
         ]

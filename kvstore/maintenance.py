@@ -115,9 +115,10 @@ class Maintenance:
 
     def scan(
         self, p: Principal, limit: int, tier: str = "", spec: ScanSpec | None = None
-    ) -> tuple[list[tuple[bytes, TierKind, int]], bool]:
-        """Up to ``limit`` (at most MAX_SCAN) stored blocks as (key, tier, size), the
-        ones ``spec`` selects, and whether more matched than were returned."""
+    ) -> tuple[list[tuple[bytes, TierKind, int, bytes]], bool]:
+        """Up to ``limit`` (at most MAX_SCAN) stored blocks as (key, tier, size,
+        namespace fp), the ones ``spec`` selects, and whether more matched than were
+        returned."""
         p.require_admin("scan")
         kind = self.gw.tier(tier) if tier else None
         flt = None

@@ -441,8 +441,8 @@ class StoreNode:
 
     def scan(
         self, limit: int, tier: TierKind | None = None, flt: BlockFilter | None = None
-    ) -> list[tuple[BlockKey, TierKind, int]]:
-        """Up to ``limit`` stored blocks as (key, tier, size), cheaply: what a drain
+    ) -> list[tuple[BlockKey, TierKind, int, bytes]]:
+        """Up to ``limit`` stored blocks as (key, tier, size, namespace fp), cheaply: what a drain
         pages through while it removes what it moved; ``flt`` keeps only matches."""
         return self._chain.scan(limit, tier, flt)
 

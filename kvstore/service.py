@@ -277,8 +277,9 @@ class StoreServicer(pb_grpc.StoreServicer):
         spec = ScanSpec(req.tenant, req.model, req.key_prefix)
         rows, more = await self._run(self.admin.scan, p, req.limit, req.tier, spec)  # walks index
         resp = pb.ScanResponse(more=more)
-        for key, tier, size in rows:
-            resp.blocks.add(key=key, tier=tier.value, size=size)
+        for key, tier, size, fp in rows:
+            tenant, model = self.gw.names.get(fp) or ("", "")
+            resp.blocks.add(key=key, tier=tier.value, size=size, tenant=tenant, model=model)
         return resp
 
     @_rpc(admin="export")

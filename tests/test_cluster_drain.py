@@ -230,6 +230,8 @@ def test_ls_by_namespace_asks_each_node_and_is_exact(
             assert doc["errors"] == [] and doc["more"] == []
             assert all(e["tier"] == "dram" and e["size"] > 512 for e in doc["entries"])
             assert doc["total"] == len(doc["entries"])
+            for e in doc["entries"]:  # each row names its namespace
+                assert (e["key"], e["node"]) in want[(e["tenant"], e["namespace"])]
             return {(e["key"], e["node"]) for e in doc["entries"]}
 
         assert ls("--namespace", "m1", "--tenant", "alpha") == want[("alpha", "m1")]

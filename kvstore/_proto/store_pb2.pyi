@@ -336,14 +336,18 @@ class EvictRequest(_message.Message):
     def __init__(self, tier: _Optional[str] = ..., target_bytes: _Optional[int] = ..., tenant: _Optional[str] = ..., model: _Optional[str] = ..., key_prefix: _Optional[bytes] = ..., idle_s: _Optional[float] = ..., dry_run: _Optional[bool] = ..., list_limit: _Optional[int] = ...) -> None: ...
 
 class StoredBlock(_message.Message):
-    __slots__ = ("key", "tier", "size")
+    __slots__ = ("key", "tier", "size", "tenant", "model")
     KEY_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     tier: str
     size: int
-    def __init__(self, key: _Optional[bytes] = ..., tier: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+    tenant: str
+    model: str
+    def __init__(self, key: _Optional[bytes] = ..., tier: _Optional[str] = ..., size: _Optional[int] = ..., tenant: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class EvictResponse(_message.Message):
     __slots__ = ("moved", "skipped_pinned", "bytes", "demoted", "dropped", "used_before", "used_after", "capacity", "dry_run", "next_tier", "blocks")
