@@ -88,8 +88,13 @@ class TierChain:
                 self._publish_locked(e)
 
     def _publish_locked(self, e: _Entry) -> None:
-        if self.published is not None and self.tiers[e.level].kind is TierKind.DRAM:
-            self.published.publish(e.key, e.offset)
+        w = self.published
+        if (
+            w is not None
+            and self.tiers[e.level].kind is TierKind.DRAM
+            and not w.publish(e.key, e.offset)
+        ):
+            self.counters.inc("shm_index_full")  # its reads take a lease instead
 
     def _unpublish_locked(self, e: _Entry) -> None:
         """Before a DRAM extent is left (freed now or at the last unpin): readers

@@ -51,9 +51,14 @@ even when promoted); per-tenant misses include namespace mismatches and unreadab
 records, so a tenant's hits + misses are its lookups. Latency: data-socket GET/PUT are
 (get|put, tcp), LEASE is (get, shm), COMMIT is (put, shm) (Reserve is not timed),
 gRPC Get/Put are (get|put, grpc) and OpenRead/Commit (get|put, shm); a data-socket
-observation includes sending the reply. Admin moves count ``exported_blocks``,
-``imported_blocks`` and ``purged_blocks`` (``kvstore_counter_total``); an export reads
-through the node, so it also counts as a node hit.
+observation includes sending the reply. Reads a same-host client serves itself from the
+published DRAM index (kvstore/tiers/shm_index.py) reach the server afterwards in TOUCH
+frames and count as ``shm`` too: ``hits_dram`` (node and tenant), ``bytes_out_shm`` and
+one (get, shm) observation, timed by the client, per call served wholly that way. A
+DRAM block the index had no room for counts ``shm_index_full`` (its reads take leases).
+Admin moves count ``exported_blocks``, ``imported_blocks`` and ``purged_blocks``
+(``kvstore_counter_total``); an export reads through the node, so it also counts as a
+node hit.
 
 The node's bare ``bytes_out`` is its in-process get/get_into, i.e. the ``inproc``
 series; nothing should also count ``bytes_out_inproc`` for those bytes. In-process puts

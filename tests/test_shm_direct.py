@@ -91,6 +91,19 @@ def test_a_full_bucket_leaves_keys_unpublished() -> None:
         w.close()
 
 
+def test_a_block_the_index_has_no_room_for_is_counted(tmp_path: Path) -> None:
+    n = StoreNode(dram_bytes=1 << 20)
+    try:
+        n.publish_index()
+        nb = buckets_for(1 << 20)
+        same = [(b * nb + 5).to_bytes(8, "little") + bytes(8) for b in range(WAYS + 1)]
+        for i, k in enumerate(same):
+            n.put(k, _value(i, 0, 4 * KiB))
+        assert n.counters.get("shm_index_full") == 1
+    finally:
+        n.close()
+
+
 def test_the_index_follows_puts_moves_and_removals(node: StoreNode) -> None:
     d, _ = _reader(node)
     for i in range(4):
