@@ -191,9 +191,10 @@ class DataConn:
             raise ProtocolError(f"data socket: expected reply op {want}, got {op}")
         return _decode(fs, reply, meta), body_len
 
-    def recv_into(self, view: Any) -> None:
-        """Receive payload bytes straight into ``view``."""
-        self.fs.recv_into(memoryview(view))
+    def recv_into(self, view: Any, *, spin: bool = False, digest: Any = None) -> None:
+        """Receive payload bytes straight into ``view`` (FrameSocket.recv_into: ``spin``
+        polls while a reply streams in, ``digest`` hashes the bytes as they arrive)."""
+        self.fs.recv_into(memoryview(view), spin=spin, digest=digest)
 
     def discard(self, n: int) -> None:
         """Skip payload bytes the caller cannot use."""

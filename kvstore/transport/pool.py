@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 class ConnPool:
     """Lends authenticated data connections with their transport.
 
-    Concurrency: ``_lock`` (and ``_cond`` on it) guards ``_idle``, ``_segments``, ``_direct``,
+    Concurrency: ``_lock`` (and ``_cond`` on it) guards ``_idle``, ``_shm_of``,
     ``_server``, ``_deferred``, ``_lent`` and ``_waiters``; ``_lent`` stays within
     ``pool_size`` (callers beyond it wait on ``_cond``). Connecting and all I/O happen
     outside the lock. Read leases a connection still owes the server
@@ -78,8 +78,8 @@ class ConnPool:
         self._lent = 0  # callers holding (or opening) a connection, at most _size
         self._flusher: threading.Thread | None = None
         self._idle: list[tuple[DataConn, Transport]] = []
-        self._segments: dict[tuple[str, str], Segment] = {}
-        self._direct: dict[tuple[str, str], DirectReader | None] = {}
+        # (instance id, segment name) -> that server's shared-memory transport
+        self._shm_of: dict[tuple[str, str], ShmTransport] = {}
         self._size = config.pool_size
         self._waiters = 0  # callers waiting for a connection slot
         self._server = server  # where the data sockets are (None: ask with locate)
@@ -240,11 +240,7 @@ class ConnPool:
             return self._tcp
         if self._same_host(info) and info.shm_name:
             try:
-                seg = self._segment(info)
-                direct = self._direct_reader(info, seg)
-                return ShmTransport(
-                    self.counters, seg, verify=self.config.verify_shm, direct=direct
-                )
+                return self._shm(info)
             except StorageError as exc:
                 if want == "shm":
                     raise
@@ -253,47 +249,35 @@ class ConnPool:
             raise Unavailable("transport=shm but the server is not on this host")
         return self._tcp
 
-    def _segment(self, info: pb.InfoResponse) -> Segment:
-        instance, name = info.instance_id, info.shm_name
+    def _shm(self, info: pb.InfoResponse) -> ShmTransport:
+        """The shared-memory transport of one server instance (its segment mapped once,
+        with the reader of its published index when it offers one and this client uses
+        it); a restarted server has new segments, so older instances' mappings go."""
+        key = (info.instance_id, info.shm_name)
         with self._lock:
-            seg = self._segments.get((instance, name))
-            if seg is not None:
-                return seg
-            stale = [k for k in self._segments if k[0] != instance]
-            for k in stale:  # a restarted server has a new segment; drop old mappings
-                self._segments.pop(k).close()
-        seg = Segment(name, info.shm_size)
+            shm = self._shm_of.get(key)
+            if shm is not None:
+                return shm
+            for k in [k for k in self._shm_of if k[0] != info.instance_id]:
+                self._shm_of.pop(k).close()
+        seg = Segment(info.shm_name, info.shm_size)
+        shm = ShmTransport(
+            self.counters, seg, verify=self.config.verify_shm, direct=self._direct(info, seg)
+        )
         with self._lock:
-            kept = self._segments.setdefault((instance, name), seg)
-        if kept is not seg:  # another thread mapped it first
-            seg.close()
+            kept = self._shm_of.setdefault(key, shm)
+        if kept is not shm:  # another thread mapped it first
+            shm.close()
         return kept
 
-    def _direct_reader(self, info: pb.InfoResponse, seg: Segment) -> DirectReader | None:
-        """The reader of the server's published index, when it offers one and this
-        client uses it (``shm_direct``); one per server instance, like segments."""
+    def _direct(self, info: pb.InfoResponse, seg: Segment) -> DirectReader | None:
         if not (self.config.shm_direct and info.shm_index and reader_supported()):
             return None
-        key = (info.instance_id, info.shm_index)
-        with self._lock:
-            if key in self._direct:
-                return self._direct[key]
-            for k in [k for k in self._direct if k[0] != info.instance_id]:
-                old = self._direct.pop(k)
-                if old is not None:
-                    old.close()
         try:
-            reader: DirectReader | None = DirectReader(
-                IndexReader(info.shm_index), seg.view, info.tenant
-            )
+            return DirectReader(IndexReader(info.shm_index), seg.view, info.tenant)
         except StorageError as exc:
             log.info("published index does not map here (%s); leased reads only", exc)
-            reader = None
-        with self._lock:
-            kept = self._direct.setdefault(key, reader)
-        if kept is not reader and reader is not None:
-            reader.close()
-        return kept
+            return None
 
     def settle(self, deadline: float) -> None:
         """Make sure the server has processed every touch and release this client owes
@@ -314,12 +298,8 @@ class ConnPool:
             self._closed = True
             self._cond.notify_all()
             idle, self._idle = self._idle, []
-            segs, self._segments = list(self._segments.values()), {}
-            readers, self._direct = list(self._direct.values()), {}
+            shms, self._shm_of = list(self._shm_of.values()), {}
         for conn, _ in idle:
             conn.close()
-        for reader in readers:
-            if reader is not None:
-                reader.close()
-        for seg in segs:
-            seg.close()
+        for shm in shms:
+            shm.close()

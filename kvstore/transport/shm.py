@@ -112,6 +112,12 @@ class ShmTransport(Transport):
         self.verify = verify
         self.direct = direct
 
+    def close(self) -> None:
+        """Drop the index and segment mappings (they linger while views are alive)."""
+        if self.direct is not None:
+            self.direct.close()
+        self.segment.close()
+
     def read(
         self,
         conn: DataConn,

@@ -53,8 +53,7 @@ def receive_inline(
         conn.discard(header.payload_len)
         return exc
     digest = checksum_stream()  # hashed while waiting for the rest to arrive
-    view = memoryview(landing.view)  # type: ignore[arg-type]
-    conn.fs.recv_into(view, spin=True, digest=digest)  # the server is sending it right now
+    conn.recv_into(landing.view, spin=True, digest=digest)  # the server is sending it now
     if digest.intdigest() != header.checksum:
         counters.inc("corrupt_transfers")
         log.warning(
