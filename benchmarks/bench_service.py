@@ -14,7 +14,8 @@ distinct blocks, single calls and batches:
   client (data socket), with the raw gRPC RPCs alongside (Mooncake's master is_exist
   was 40-90 us per call on this kind of machine).
 
-Each figure is the median of ``--runs`` runs (anchors and ours interleaved per run).
+Each figure is the median of ``--runs`` runs; within a run, ours and the anchors take
+turns in short rounds (see measure_size).
 
 Usage: python benchmarks/bench_service.py [--runs 3] [--json]
 """
@@ -45,7 +46,8 @@ from kvstore.tiers.memory import map_segment
 MiB = 1 << 20
 BLOCKS = 16  # distinct blocks cycled through (16-64 MiB: more than the caches hold)
 BATCH = 8
-BUDGET = 256 * MiB  # bytes moved per measurement
+BUDGET = 256 * MiB  # bytes moved per measurement and run
+ROUNDS = 8  # each run's measurements take turns this many times
 TOKEN = "bench-token-0123456789abcdef"
 
 
@@ -165,14 +167,15 @@ def _stream_sender(port: int, size: int) -> None:
 # -- measurements -------------------------------------------------------------------------
 
 
-def rate(fn: Callable[[int], None], ops: int, nbytes: int) -> float:
-    """GB/s of ``ops`` calls of ``fn(i)`` moving ``nbytes`` each (after a short warm-up)."""
-    for i in range(min(ops, 8)):
+def timed(fn: Callable[[int], None], ops: int) -> float:
+    """Seconds taken by ``ops`` calls of ``fn(i)``, after two untimed calls (the first
+    after switching from another measurement pays for the switch, not for the path)."""
+    for i in range(2):
         fn(i)
     t0 = time.perf_counter()
     for i in range(ops):
         fn(i)
-    return ops * nbytes / (time.perf_counter() - t0) / 1e9
+    return time.perf_counter() - t0
 
 
 class Anchors:
@@ -201,25 +204,15 @@ class Anchors:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * MiB)
         self.out = np.empty(size, dtype=np.uint8)
 
-    def shm_copy(self, ops: int) -> float:
-        s = self.size
+    def shm_copy(self, i: int) -> None:
+        s, j = self.size, i % BLOCKS
+        np.copyto(self.out, self.seg[j * s : (j + 1) * s])
 
-        def copy(i: int) -> None:
-            j = i % BLOCKS
-            np.copyto(self.out, self.seg[j * s : (j + 1) * s])
-
-        return rate(copy, ops, s)
-
-    def socket_stream(self, ops: int) -> float:
-        view = memoryview(self.out)
-        s = self.size
-
-        def recv(_: int) -> None:
-            got = 0
-            while got < s:
-                got += self.sock.recv_into(view[got:], s - got, socket.MSG_WAITALL)
-
-        return rate(recv, ops, s)
+    def socket_stream(self, _: int) -> None:
+        view, s = memoryview(self.out), self.size
+        got = 0
+        while got < s:
+            got += self.sock.recv_into(view[got:], s - got, socket.MSG_WAITALL)
 
     def close(self) -> None:
         self.sock.close()
@@ -293,26 +286,40 @@ class Workload:
 
 
 def measure_size(size: int, runs: int, server: dict[str, Any], r: Any) -> dict[str, Any]:
-    """Every throughput figure for one block size: the median GB/s of ``runs`` runs."""
-    ops = max(BUDGET // size, 32)
+    """Every throughput figure for one block size: the median GB/s of ``runs`` runs.
+
+    A run is ROUNDS rounds; each round times every measurement (ours and the anchors)
+    for a slice of its calls, in turn. Each figure is then the run's bytes over its
+    summed time, so a burst of noise from other jobs on the host lands on ours and
+    the anchors alike rather than on whichever measurement it happened to overlap.
+    """
+    ops = max(BUDGET // size // ROUNDS, 4)
     w = Workload(size, server, r)
     anchors = Anchors(size)
-    single = ["shm_get_into", "shm_leased_get_into", "tcp_get", "tcp_get_into"]
-    batched = ["shm_batch_get_into", "tcp_batch_get", "tcp_batch_get_into"]
+    calls: dict[str, tuple[Callable[[int], None], int]] = {  # name -> (fn, blocks per call)
+        "anchor_shm_copy": (anchors.shm_copy, 1),
+        "shm_get_into": (w.shm_get_into, 1),
+        "shm_leased_get_into": (w.shm_leased_get_into, 1),
+        "tcp_get": (w.tcp_get, 1),
+        "tcp_get_into": (w.tcp_get_into, 1),
+        "anchor_socket_stream": (anchors.socket_stream, 1),
+        "shm_batch_get_into": (w.shm_batch_get_into, BATCH),
+        "tcp_batch_get": (w.tcp_batch_get, BATCH),
+        "tcp_batch_get_into": (w.tcp_batch_get_into, BATCH),
+    }
+    if r is not None:
+        calls["anchor_redis_get"] = (w.redis_get, 1)
+        calls["anchor_redis_pipeline"] = (w.redis_pipeline, BATCH)
     res: dict[str, list[float]] = {}
     try:
         for _ in range(runs):
-            figures = {"anchor_shm_copy": anchors.shm_copy(ops)}
-            figures |= {name: rate(getattr(w, name), ops, size) for name in single}
-            figures["anchor_socket_stream"] = anchors.socket_stream(ops)
-            figures |= {n: rate(getattr(w, n), ops // BATCH, size * BATCH) for n in batched}
-            if r is not None:
-                figures["anchor_redis_get"] = rate(w.redis_get, ops, size)
-                figures["anchor_redis_pipeline"] = rate(
-                    w.redis_pipeline, ops // BATCH, size * BATCH
-                )
-            for k, v in figures.items():
-                res.setdefault(k, []).append(v)
+            spent = dict.fromkeys(calls, 0.0)
+            for _ in range(ROUNDS):
+                for name, (fn, per) in calls.items():
+                    spent[name] += timed(fn, max(ops // per, 1))
+            for name, (_, per) in calls.items():
+                moved = ROUNDS * max(ops // per, 1) * per * size
+                res.setdefault(name, []).append(moved / spent[name] / 1e9)
     finally:
         anchors.close()
         w.close()

@@ -174,6 +174,9 @@ class ServerConfig:
         lease_ttl_s: how long a shared-memory read or write lease lives unless released.
         io_timeout_s: a frame that starts must finish within this (else the connection
             closes and its reservation is aborted).
+        data_poll_us: after each reply on the data socket, poll up to this long for the
+            same client's next request instead of sleeping (0: off). Only while that
+            client has the server to itself: see kvstore/transport/busypoll.py.
         workers: threads running blocking node calls for gRPC handlers.
         max_connections: concurrent data sockets.
         etcd: ``host:port`` of the cluster directory; empty runs the node standalone.
@@ -201,6 +204,7 @@ class ServerConfig:
     max_inline_bytes: int = 4 * 1024**2
     lease_ttl_s: float = 30.0
     io_timeout_s: float = 30.0
+    data_poll_us: int = 100
     workers: int = 8
     max_connections: int = 256
     etcd: str = ""
@@ -245,6 +249,10 @@ class ServerConfig:
         _positive(self, "lease_ttl_s", "io_timeout_s", "max_connections")
         if self.max_inline_bytes > self.max_message_bytes:
             raise ConfigError("max_inline_bytes: must not exceed max_message_bytes")
+        if not 0 <= self.data_poll_us <= 10_000:
+            raise ConfigError(
+                f"data_poll_us: {self.data_poll_us} is not 0 (off) to 10000 microseconds"
+            )
 
     @property
     def tls(self) -> bool:
@@ -276,6 +284,11 @@ class ClientConfig:
             index and copy without a lease round trip (kvstore/tiers/shm_index.py);
             off: every shm read takes a lease first.
         max_message_bytes: largest gRPC message this client accepts.
+        reply_poll_us: after sending a data-socket request, poll this long for the
+            reply before sleeping on the socket (0: off). A DRAM hit's reply starts
+            40-60 us after the request; a sleeping thread then costs as much again to
+            wake on a virtual machine. One thread of the process polls at a time (the
+            others sleep), so other threads keep their turn at the GIL.
     """
 
     token: str = field(default="", repr=False)
@@ -291,6 +304,7 @@ class ClientConfig:
     verify_shm: bool = False
     shm_direct: bool = True
     max_message_bytes: int = 64 * 1024**2
+    reply_poll_us: int = 200
 
     def __post_init__(self) -> None:
         if self.transport not in ("auto", "shm", "tcp"):
@@ -302,6 +316,10 @@ class ClientConfig:
         _positive(self, "timeout_s", "connect_timeout_s", "pool_size", "max_message_bytes")
         if self.backoff_s < 0:
             raise ConfigError("backoff_s: must be >= 0")
+        if not 0 <= self.reply_poll_us <= 10_000:
+            raise ConfigError(
+                f"reply_poll_us: {self.reply_poll_us} is not 0 (off) to 10000 microseconds"
+            )
 
     @property
     def use_tls(self) -> bool:

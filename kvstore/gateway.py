@@ -236,10 +236,12 @@ class Gateway:
     # -- reads -------------------------------------------------------------------------
 
     def open_reads(
-        self, p: Principal, keys: Sequence[bytes], ns: Namespace | None
+        self, p: Principal, keys: Sequence[bytes], ns: Namespace | None, *, count: bool = True
     ) -> list[ReadItem]:
         """Pin each key (None on a miss, the error for a failed key); the caller must
-        :meth:`close_reads` the result, whatever happens in between."""
+        :meth:`close_reads` the result, whatever happens in between. With ``count``
+        False the caller counts them (:meth:`count_reads`) once the reply is on its way:
+        accounting is not what the reader waits for."""
         self.check_batch(len(keys))
         scoped = p.scope_all(keys)
         out: list[ReadItem] = []
@@ -252,7 +254,8 @@ class Gateway:
         except BaseException:
             self.close_reads(out)
             raise
-        self.count_reads(p, out)
+        if count:
+            self.count_reads(p, out)
         return out
 
     def close_reads(self, reads: Sequence[ReadItem]) -> None:

@@ -56,6 +56,8 @@ published DRAM index (kvstore/tiers/shm_index.py) reach the server afterwards in
 frames and count as ``shm`` too: ``hits_dram`` (node and tenant), ``bytes_out_shm`` and
 one (get, shm) observation, timed by the client, per call served wholly that way. A
 DRAM block the index had no room for counts ``shm_index_full`` (its reads take leases).
+Each time a connection polls for its client's next request after a reply
+(kvstore/transport/busypoll.py) counts ``data_polls_caught`` or ``data_polls_missed``.
 Admin moves count ``exported_blocks``, ``imported_blocks`` and ``purged_blocks``
 (``kvstore_counter_total``); an export reads through the node, so it also counts as a
 node hit.

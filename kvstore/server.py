@@ -252,6 +252,7 @@ _SERVER_FLAGS = {
     "max_inline_bytes": "most inline payload bytes per gRPC Get/Put",
     "lease_ttl_s": "lifetime of a shared-memory lease, seconds",
     "io_timeout_s": "a started frame must finish within this, seconds",
+    "data_poll_us": "poll this long for a lone client's next request (default 100; 0: off)",
     "workers": "threads for blocking node calls",
     "etcd": "HOST:PORT of the cluster directory (default: standalone)",
     "cluster": "cluster name in the directory (default 'default')",

@@ -38,6 +38,7 @@ from kvstore.errors import KVStoreError, Unavailable
 from kvstore.gateway import Gateway, ReadItem, fill_target
 from kvstore.node import BlockRead
 from kvstore.tiers.base import TierKind
+from kvstore.transport.busypoll import IdlePoller
 from kvstore.transport.codec import info_from_meta, status_of
 from kvstore.transport.frames import (
     PROTOCOL,
@@ -102,6 +103,7 @@ class DataServer:
         self._threads: list[threading.Thread] = []
         self._closing = False
         self.unix_name = ""
+        self.poller = IdlePoller(config.data_poll_us / 1e6, gateway.counters)
         gateway.gauges["connections"] = lambda: len(self._conns)
 
     def start(self, unix_name: str = "") -> int:
@@ -235,6 +237,8 @@ class _Session:
         try:
             self.hello()
             later: bytes | None = None  # a RELEASE that came ahead of a request
+            poller = self.server.poller
+            polling = poller.enabled and not self.fs.tls
             while True:
                 try:
                     op, meta_len, body_len = self.fs.recv_header(idle=True)
@@ -247,10 +251,13 @@ class _Session:
                     # reply, so the client sees no difference but a shorter wait)
                     later = meta
                     continue
+                poller.served(self.id)
                 self.dispatch(op, meta, body_len)
                 if later is not None:
                     meta, later = later, None
                     self.dispatch(Op.RELEASE, meta, 0)
+                if polling and not self.fs.buffered:
+                    poller.wait(self.fs, self.id)
         except ProtocolError as exc:
             log.warning("data connection %d: %s", self.id, exc)
             _send_error(self.fs, exc)
@@ -309,13 +316,14 @@ class _Session:
     def get(self, meta: bytes, body_len: int) -> None:
         req = _parse(pb.GetRequest, meta)
         ns = self.gw.namespace(self.principal, req.scope.model, req.scope.layout)
-        reads = self.gw.open_reads(self.principal, req.keys, ns)
+        reads = self.gw.open_reads(self.principal, req.keys, ns, count=False)
         try:
             resp = pb.GetResponse()
             parts = [self._describe(r, resp.blocks.add()) for r in reads]
             body = [mv for mv in parts if mv is not None]
             total = sum(mv.nbytes for mv in body)
             self.fs.send(Op.GET | REPLY, resp.SerializeToString(), body, total)
+            self.gw.count_reads(self.principal, reads)
             self.gw.count_out(self.principal, "tcp", total)
         finally:
             self.gw.close_reads(reads)

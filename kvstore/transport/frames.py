@@ -34,7 +34,7 @@ import socket
 import ssl
 import struct
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from enum import IntEnum
 from typing import Any
@@ -290,6 +290,34 @@ class FrameSocket:
                     f"{need} bytes)"
                 )
             self._r1 += k
+
+    def poll_next(self, keep_going: Callable[[], bool]) -> bool:
+        """Poll, without sleeping, for the first bytes of the next frame while
+        ``keep_going()`` holds (kvstore/transport/busypoll.py says when a server does).
+
+        True once bytes are buffered, or the peer closed or failed; the following
+        :meth:`recv_header` then reads the frame or reports the close as usual. False
+        when ``keep_going`` ended it first. Plain sockets only: a TLS record cannot be
+        polled for without decrypting it.
+        """
+        if self.tls:
+            return False
+        if self._r0 == self._r1:
+            self._r0 = self._r1 = 0
+        view = self._view[self._r1 :]
+        if not view.nbytes:
+            return True
+        recv_into = self.sock.recv_into
+        while keep_going():
+            try:
+                k = recv_into(view, 0, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                continue
+            except OSError:
+                return True  # the blocking read that follows reports the failure
+            self._r1 += k
+            return True  # k == 0: closed, and the next read sees it too
+        return False
 
     def recv_header(self, *, idle: bool = False) -> tuple[int, int, int]:
         """Read a frame header: (op, meta_len, body_len).

@@ -210,6 +210,12 @@ class ConnPool:
         return conn, transport
 
     def _connect(self, server: pb.InfoResponse, deadline: float) -> DataConn:
+        """A new data connection, polling for replies as the config says."""
+        conn = self._dial(server, deadline)
+        conn.reply_poll_s = self.config.reply_poll_us / 1e6
+        return conn
+
+    def _dial(self, server: pb.InfoResponse, deadline: float) -> DataConn:
         """Same host: the Unix data socket when offered (no TCP cost); else TCP."""
         c = self.config
         kw: dict = {"deadline": deadline, "max_meta": c.max_message_bytes}
@@ -219,7 +225,7 @@ class ConnPool:
             except (Unavailable, TransportError) as exc:
                 fresh = self._locate(deadline)  # a restarted server has a new socket name
                 if fresh.unix_socket and fresh.unix_socket != server.unix_socket:
-                    return self._connect(fresh, deadline)
+                    return self._dial(fresh, deadline)
                 log.info("Unix data socket unreachable (%s); using TCP", exc)
                 server = fresh
         return DataConn.open(
