@@ -15,7 +15,7 @@ decodes straight into its own preallocated buffer.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -181,6 +181,8 @@ class BlockHeader:
     namespace_fp: bytes
     payload_len: int
     checksum: int
+    # pack()'s result, kept: a stored block's header goes out with every read of it
+    _packed: bytes | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def for_value(
@@ -197,7 +199,9 @@ class BlockHeader:
         return HEADER_SIZE + self.payload_len
 
     def pack(self) -> bytes:
-        """Serialize to exactly HEADER_SIZE bytes."""
+        """Serialize to exactly HEADER_SIZE bytes (computed once per header)."""
+        if self._packed is not None:
+            return self._packed
         shape = list(self.shape) + [0] * (MAX_DIMS - len(self.shape))
         body = _BODY.pack(
             MAGIC,
@@ -212,7 +216,9 @@ class BlockHeader:
             self.checksum,
         )
         crc = _HCRC.pack(xxhash.xxh32_intdigest(body))
-        return body + crc + b"\x00" * (HEADER_SIZE - len(body) - len(crc))
+        packed = body + crc + b"\x00" * (HEADER_SIZE - len(body) - len(crc))
+        object.__setattr__(self, "_packed", packed)  # frozen: set once, same value
+        return packed
 
     @classmethod
     def unpack(cls, buf: Any) -> BlockHeader:

@@ -63,6 +63,11 @@ _TIMED: dict[
 }
 
 
+# Frames with no reply: a client's deferred RELEASE or TOUCH waits on nothing, so it
+# neither ends another connection's poll nor counts as clients taking turns (busypoll.py).
+_UNANSWERED = frozenset((Op.RELEASE, Op.TOUCH))
+
+
 def _parse(cls: type[Message], meta: bytes) -> Any:
     msg = cls()
     try:
@@ -251,7 +256,8 @@ class _Session:
                     # reply, so the client sees no difference but a shorter wait)
                     later = meta
                     continue
-                poller.served(self.id)
+                if op not in _UNANSWERED:
+                    poller.served(self.id)
                 self.dispatch(op, meta, body_len)
                 if later is not None:
                     meta, later = later, None
