@@ -21,7 +21,7 @@ from kvstore._proto import store_pb2 as pb
 from kvstore.config import ClientConfig, ServerConfig
 from kvstore.errors import ConfigError
 from kvstore.stats import NodeCounters
-from kvstore.transport.busypoll import IdlePoller
+from kvstore.transport.busypoll import PRESENCE, IdlePoller, Presence
 from kvstore.transport.conn import DataConn
 from kvstore.transport.frames import REPLY, FrameSocket, Op, frame
 from tests.server_process import ALPHA
@@ -32,6 +32,14 @@ if TYPE_CHECKING:
 pytest_plugins = ["tests.server_fixtures"]
 
 KiB = 1 << 10
+
+
+@pytest.fixture(autouse=True)
+def _alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This test process also runs clients (and in-process servers elsewhere in the
+    suite): each test here starts as a process that runs neither."""
+    monkeypatch.setattr(PRESENCE, "clients", False)
+    monkeypatch.setattr(PRESENCE, "servers", 0)
 
 
 @pytest.fixture
@@ -187,6 +195,21 @@ def test_clients_taking_turns_fast_turn_polling_off_for_a_while(
     time.sleep(0.25)  # quiet_s later, a lone client is polled for again
     client.sendall(frame(Op.EXISTS, b""))
     assert poller.wait(fs, 1)
+
+
+def test_neither_end_polls_when_both_share_a_process(
+    pair: tuple[FrameSocket, socket.socket],
+) -> None:
+    """The poller would hold the GIL the other end needs to answer."""
+    fs, client = pair
+    here = Presence()
+    assert here.server_may_poll and here.client_may_poll
+    here.clients, here.servers = True, 1
+    assert not here.server_may_poll and not here.client_may_poll
+    PRESENCE.clients = True  # a client opened a data connection in this process
+    client.sendall(frame(Op.EXISTS, b""))
+    time.sleep(0.05)
+    assert not IdlePoller(5.0).wait(fs, 1)  # refused at once, though a frame is waiting
 
 
 def test_the_window_is_validated() -> None:

@@ -23,6 +23,11 @@ allowed only while one client has the server to itself:
 With several clients busy, the server runs exactly as without polling: their threads
 keep the CPUs awake anyway. The window is ``ServerConfig.data_poll_us``; 0 turns
 polling off.
+
+The client polls for each reply the same way (ClientConfig.reply_poll_us, see
+kvstore/transport/conn.py). Neither end polls when a server and a client share one
+process (tests, embedded setups): there the poller would hold the GIL that the other
+end needs in order to answer. :data:`PRESENCE` records which ends this process runs.
 """
 
 from __future__ import annotations
@@ -33,7 +38,29 @@ import time
 from kvstore.stats import NodeCounters
 from kvstore.transport.frames import FrameSocket
 
-__all__ = ["IdlePoller"]
+__all__ = ["PRESENCE", "IdlePoller", "Presence"]
+
+
+class Presence:
+    """Which ends of the data socket this process runs (plain flags: set once, read
+    on every request)."""
+
+    def __init__(self) -> None:
+        self.servers = 0  # data servers running here
+        self.clients = False  # a client has opened a data connection here
+
+    @property
+    def server_may_poll(self) -> bool:
+        """No client here waits on this process's GIL to send its next request."""
+        return not self.clients
+
+    @property
+    def client_may_poll(self) -> bool:
+        """No server here needs this process's GIL to produce the reply."""
+        return self.servers == 0
+
+
+PRESENCE = Presence()
 
 
 class IdlePoller:
@@ -82,7 +109,7 @@ class IdlePoller:
         arrived (they are buffered in ``fs``). False when polling is not allowed now,
         the window passed, or another connection got a request; the caller then blocks
         as usual."""
-        if self.window_s <= 0 or fs.buffered or fs.tls:
+        if self.window_s <= 0 or fs.buffered or fs.tls or not PRESENCE.server_may_poll:
             return False
         now = time.perf_counter()
         if now < self._shared_until or not self._slot.acquire(blocking=False):

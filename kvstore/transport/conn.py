@@ -21,6 +21,7 @@ from google.protobuf.message import DecodeError, Message
 
 from kvstore._proto import store_pb2 as pb
 from kvstore.errors import KVStoreError, TransportError, error_for_code
+from kvstore.transport.busypoll import PRESENCE
 from kvstore.transport.frames import (
     PROTOCOL,
     REPLY,
@@ -116,7 +117,11 @@ class DataConn:
         fs.set_deadline(deadline)
         before = self._owed_frames()
         fs.send(op, msg.SerializeToString(), body, body_len, before=before)
-        if self.reply_poll_s and _REPLY_POLL_SLOT.acquire(blocking=False):
+        if (
+            self.reply_poll_s
+            and PRESENCE.client_may_poll
+            and _REPLY_POLL_SLOT.acquire(blocking=False)
+        ):
             # A sleeping receiver is woken per reply at the price of an interprocessor
             # interrupt and a halted CPU's exit; a short poll catches a DRAM hit's reply
             # with neither (ClientConfig.reply_poll_us). One thread polls at a time.

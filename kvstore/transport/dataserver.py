@@ -38,7 +38,7 @@ from kvstore.errors import KVStoreError, Unavailable
 from kvstore.gateway import Gateway, ReadItem, fill_target
 from kvstore.node import BlockRead
 from kvstore.tiers.base import TierKind
-from kvstore.transport.busypoll import IdlePoller
+from kvstore.transport.busypoll import PRESENCE, IdlePoller
 from kvstore.transport.codec import info_from_meta, status_of
 from kvstore.transport.frames import (
     PROTOCOL,
@@ -107,6 +107,7 @@ class DataServer:
         self._listeners: list[socket.socket] = []
         self._threads: list[threading.Thread] = []
         self._closing = False
+        self._present = False  # counted in PRESENCE.servers
         self.unix_name = ""
         self.poller = IdlePoller(config.data_poll_us / 1e6, gateway.counters)
         gateway.gauges["connections"] = lambda: len(self._conns)
@@ -122,6 +123,9 @@ class DataServer:
             ls.bind((c.host, c.data_port))
             ls.listen(128)
         self._listen(ls)
+        if not self._present:
+            self._present = True
+            PRESENCE.servers += 1  # clients in this process stop polling (busypoll.py)
         if unix_name and sys.platform.startswith("linux"):
             try:
                 us = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -144,6 +148,9 @@ class DataServer:
     def close(self) -> None:
         """Stop accepting and close every connection (their leases end)."""
         self._closing = True
+        if self._present:
+            self._present = False
+            PRESENCE.servers -= 1
         for ls in self._listeners:
             with contextlib.suppress(OSError):
                 ls.shutdown(socket.SHUT_RDWR)

@@ -32,6 +32,7 @@ from kvstore.errors import (
 from kvstore.stats import NodeCounters
 from kvstore.tiers.shm_index import IndexReader, reader_supported
 from kvstore.transport.base import Transport
+from kvstore.transport.busypoll import PRESENCE
 from kvstore.transport.conn import DataConn
 from kvstore.transport.frames import Op
 from kvstore.transport.locality import host_id
@@ -213,6 +214,7 @@ class ConnPool:
         """A new data connection, polling for replies as the config says."""
         conn = self._dial(server, deadline)
         conn.reply_poll_s = self.config.reply_poll_us / 1e6
+        PRESENCE.clients = True  # a server in this process stops polling (busypoll.py)
         return conn
 
     def _dial(self, server: pb.InfoResponse, deadline: float) -> DataConn:
