@@ -47,7 +47,13 @@ MiB = 1 << 20
 BLOCKS = 16  # distinct blocks cycled through (16-64 MiB: more than the caches hold)
 BATCH = 8
 BUDGET = 256 * MiB  # bytes moved per measurement and run
-ROUNDS = 8  # each run's measurements take turns this many times
+# Each run's measurements take turns this many times. A slice is then 64 calls at 1 MiB
+# (about 15-20 ms), 16 at 4 MiB. The first calls after switching to another process
+# run at up to 3x their steady cost on these VMs (a halted vCPU, caches full of the
+# other measurement's bytes). timed() leaves out two of them; with 8 rounds, slices of
+# 32 calls made the 1 MiB TCP get read 1.3-1.4x Redis where 4 rounds read 1.4-2.1x
+# (benchmarks/RESULTS.md, session 3).
+ROUNDS = 4
 TOKEN = "bench-token-0123456789abcdef"
 
 
@@ -55,8 +61,9 @@ TOKEN = "bench-token-0123456789abcdef"
 
 
 @contextmanager
-def kvstore_server(dram: str) -> Iterator[dict[str, Any]]:
-    """``kvstore serve`` on free loopback ports; stopped by PID at the end."""
+def kvstore_server(dram: str, *flags: str) -> Iterator[dict[str, Any]]:
+    """``kvstore serve`` on free loopback ports (more ``flags`` appended); stopped by
+    PID at the end."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     env.update(KVSTORE_AUTH_TOKEN=TOKEN, PYTHONUNBUFFERED="1")
     argv = [
@@ -71,6 +78,7 @@ def kvstore_server(dram: str) -> Iterator[dict[str, Any]]:
         dram,
         "--max-value-bytes",
         "16MiB",
+        *flags,
     ]
     proc = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True
