@@ -51,7 +51,7 @@ BUDGET = 256 * MiB  # bytes moved per measurement and run
 # (about 15-20 ms), 16 at 4 MiB. The first calls after switching to another process
 # run at up to 3x their steady cost on these VMs (a halted vCPU, caches full of the
 # other measurement's bytes). timed() leaves out two of them; with 8 rounds, slices of
-# 32 calls made the 1 MiB TCP get read 1.3-1.4x Redis where 4 rounds read 1.4-2.1x
+# 32 calls made the 1 MiB TCP get read 1.3-1.4x Redis where 4 rounds read 1.36-2.11x
 # (benchmarks/RESULTS.md, session 3).
 ROUNDS = 4
 TOKEN = "bench-token-0123456789abcdef"
