@@ -320,15 +320,21 @@ def test_slow_store_costs_a_miss_not_a_request(
     p = prompt(8, 260)
     ref = engines["ref32"].generate([p], 8)[0]
     engines["prod32"].generate([p], 1)
+    before = cons.stats()
     store.proc.send_signal(signal.SIGSTOP)  # type: ignore[union-attr]
     try:
         t0 = time.monotonic()
         out = cons.generate([p], 8)[0]
         took = time.monotonic() - t0
+        during = cons.stats()  # asked while the store is still stopped
     finally:
         store.proc.send_signal(signal.SIGCONT)  # type: ignore[union-attr]
     assert out["tokens"] == ref["tokens"]
-    assert out["cached"] == 0
+    # A hit here would have to come from a lookup the stopped store answered: say which
+    # counters moved, so a failure tells how (seen once in CI, not reproduced since).
+    assert out["cached"] == 0, (
+        f"cached {out['cached']} in {took:.2f}s; connector before {before}, after {during}"
+    )
     assert took < 10.0
     back = until_hit(cons, p, usable_blocks(260) * BLOCK)
     assert back["tokens"] == ref["tokens"]
