@@ -9,10 +9,14 @@ the bytes of whatever reused the extent.
 from __future__ import annotations
 
 import os
+import random
+import signal
 import socket
 import struct
+import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,6 +24,7 @@ import xxhash
 
 from kvstore._proto import store_pb2 as pb
 from kvstore.blocks import HEADER_SIZE, BlockHeader
+from kvstore.errors import KVStoreError
 from kvstore.stats import NodeCounters
 from kvstore.transport.conn import DataConn
 from kvstore.transport.frames import HEADER, MAGIC, PROTOCOL, REPLY, FrameSocket, Op
@@ -257,3 +262,72 @@ def test_a_reader_on_another_clock_falls_back_to_checksums() -> None:
     assert got == [False]  # header checksum 0 != xxh3(payload): refused
     assert transport.counters.get("shm_clock_mismatch") == 1
     assert transport.counters.get("corrupt_transfers") == 1
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_server_that_stalls_and_resumes_never_mixes_up_answers(
+    server_factory: Any, transport: str
+) -> None:
+    """The server is stopped (SIGSTOP) and resumed again and again while two clients
+    work: calls that outlive their deadline fail, and no call ever returns the answer
+    to another request (a reply left behind by a timed-out call would be read as the
+    next call's). Bounded: 3 s of load."""
+    server: ServerProcess = server_factory()
+    proc = server.proc
+    assert proc is not None
+    keys = [f"stall-{i:03d}".encode().ljust(16, b".") for i in range(120)]
+    stored = 80  # keys[:80] are stored
+    with server.client(ALPHA) as c:
+        c.batch_put(keys[:stored], [np.full(8192, i % 251, np.uint8) for i in range(stored)])
+    stop = threading.Event()
+    wrong: list[tuple[Any, ...]] = []
+    done = {"match": 0, "get": 0, "failed": 0}
+
+    def matcher() -> None:
+        rng = random.Random(1)
+        with server.client(ALPHA, transport=transport, timeout_s=0.3, retries=1) as c:
+            while not stop.is_set():
+                a, n = rng.randrange(0, 100), rng.randint(1, 40)
+                try:
+                    got = c.match_prefix(keys[a : a + n])
+                except KVStoreError:
+                    done["failed"] += 1
+                    continue
+                if got != max(0, min(n, stored - a)):
+                    wrong.append(("match_prefix", a, n, got))
+                done["match"] += 1
+
+    def getter() -> None:
+        rng = random.Random(2)
+        outs = [np.empty(8192, np.uint8) for _ in range(4)]
+        with server.client(ALPHA, transport=transport, timeout_s=0.3, retries=1) as c:
+            while not stop.is_set():
+                a = rng.randrange(0, stored - 4)
+                try:
+                    res = c.batch_get_into(keys[a : a + 4], outs)
+                except KVStoreError:
+                    done["failed"] += 1
+                    continue
+                for j, (ok, out) in enumerate(zip(res, outs, strict=True)):
+                    if ok is not True or not (out == (a + j) % 251).all():
+                        wrong.append(("get", a + j, ok, int(out[0])))
+                done["get"] += 1
+
+    workers = [threading.Thread(target=f, daemon=True) for f in (matcher, getter)]
+    for t in workers:
+        t.start()
+    rng = random.Random(3)
+    end = time.monotonic() + 3.0
+    try:
+        while time.monotonic() < end:
+            time.sleep(rng.uniform(0.05, 0.2))
+            proc.send_signal(signal.SIGSTOP)
+            time.sleep(rng.uniform(0.05, 0.6))  # half the stalls outlive a call's deadline
+            proc.send_signal(signal.SIGCONT)
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        stop.set()
+        for t in workers:
+            t.join(10)
+    assert wrong == []
+    assert done["match"] > 0 and done["get"] > 0
