@@ -32,6 +32,7 @@ from kvstore.errors import ConfigError, PermissionDenied
 from kvstore.transport.codec import meta_of, scope_of
 from kvstore.transport.conn import DataConn
 from kvstore.transport.frames import Op
+from tests.background import Background
 from tests.server_process import ADMIN, ALPHA, BRAVO, ServerProcess, Token, base_flags
 
 if TYPE_CHECKING:
@@ -382,29 +383,14 @@ def test_namespace_filters_select_ssd_blocks_after_a_crash_restart(
 # -- drain --------------------------------------------------------------------------------
 
 
-class _Load:
+class _Load(Background):
     """Clients hammering both nodes while a drain runs; every failure is kept."""
 
     def __init__(self, source: ServerProcess, target: ServerProcess, keys: list[bytes]):
         self.source, self.target, self.keys = source, target, keys
-        self.stop = threading.Event()
         self.errors: list[BaseException] = []
         self.reads = self.hits = self.misses = self.writes = 0
-        self.threads = [
-            threading.Thread(target=self._read, daemon=True),
-            threading.Thread(target=self._read, daemon=True),
-            threading.Thread(target=self._write, daemon=True),
-        ]
-
-    def __enter__(self) -> _Load:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout=30)
+        super().__init__(self._read, self._read, self._write)
 
     def _read(self) -> None:
         rng = np.random.default_rng(threading.get_ident())

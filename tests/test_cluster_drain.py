@@ -8,7 +8,6 @@ included.
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from kvstore.cli import main
 from kvstore.cluster_client import ClusterClient
 from kvstore.directory.etcd_process import EtcdProcess
 from kvstore.tiers.base import TierKind
+from tests.background import Background
 from tests.server_process import ADMIN, ALPHA, BRAVO, ServerProcess
 from tests.test_cluster import Cluster, cli_json, replicas, start_nodes, value_for, wait_until
 
@@ -47,30 +47,16 @@ def nodes_doc(capsys: pytest.CaptureFixture[str], cl: Cluster) -> dict[str, Any]
     return {n["node_id"]: n for n in doc["nodes"]}
 
 
-class _Load:
+class _Load(Background):
     """A writer putting fresh keys and a reader getting ``old`` keys, both through
     ClusterClients, until stopped; every exception and wrong byte is kept."""
 
     def __init__(self, writer: ClusterClient, reader: ClusterClient, old: list[bytes]) -> None:
         self.writer, self.reader, self.old = writer, reader, old
-        self.stop = threading.Event()
         self.errors: list[str] = []
         self.written: list[bytes] = []
         self.rounds = self.misses = self.wrong = 0
-        self.threads = [
-            threading.Thread(target=self._write, daemon=True),
-            threading.Thread(target=self._read, daemon=True),
-        ]
-
-    def __enter__(self) -> _Load:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout=30)
+        super().__init__(self._write, self._read)
 
     def progress(self, n: int) -> None:
         """Wait until both loops did ``n`` more rounds (bounded)."""

@@ -250,7 +250,6 @@ class _Session:
             self.hello()
             later: bytes | None = None  # a RELEASE that came ahead of a request
             poller = self.server.poller
-            polling = poller.enabled and not self.fs.tls
             while True:
                 try:
                     op, meta_len, body_len = self.fs.recv_header(idle=True)
@@ -269,8 +268,7 @@ class _Session:
                 if later is not None:
                     meta, later = later, None
                     self.dispatch(Op.RELEASE, meta, 0)
-                if polling and not self.fs.buffered:
-                    poller.wait(self.fs, self.id)
+                poller.wait(self.fs, self.id)  # returns at once when it may not poll
         except ProtocolError as exc:
             log.warning("data connection %d: %s", self.id, exc)
             _send_error(self.fs, exc)
