@@ -13,10 +13,12 @@ Keys are kvstore's own chained prefix keys (``prefix_keys``) over the prompt's f
 blocks, with vLLM's block size and the model's KV layout (dtype, attention layers, KV
 heads per rank, head dim, block size, TP rank) in the namespace, so two engines share a
 block exactly when model, layout, tenant and every token up to it agree. One stored
-object holds one block of every layer (``[layers, 2, kv_heads, block_tokens, head_dim]``),
-token-major as DESIGN.md says, the same bytes engine/hf.py stores for the same model;
-pages of a CPU kernel whose key layout is not known are stored as they are under a
-namespace tagged with that kernel (see engine/vllm_paged.py and ``namespace_for``).
+object holds one block of every layer in the canonical layout of DESIGN.md
+(``[layers, 2, kv_heads, block_tokens, head_dim]``, token-major): the same bytes
+engine/hf.py stores for the same model, whichever CPU attention kernel (vec, vec16,
+amx, ...) arranged vLLM's pages. The namespace carries no kernel: a block saved by an
+engine on an AMX machine loads into one without AMX. engine/vllm_paged.py converts, and
+learns each kernel's page order at start by running the kernel on a probe page.
 
 Scheduler side: ``get_num_new_matched_tokens`` asks the store for its longest stored
 prefix (one ``match_prefix`` round trip), keeping at least the last prompt token for
@@ -54,7 +56,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from engine.vllm_paged import PagedKV
+from engine.vllm_paged import PagedKV, PageLayout, probe_page_layout
 from engine.vllm_store import (
     BlockStore,
     ConnectorConfig,
@@ -64,6 +66,7 @@ from engine.vllm_store import (
 )
 from kvstore.errors import ConfigError
 from kvstore.keys import Namespace, prefix_keys
+from kvstore.layout import KVLayout
 
 if TYPE_CHECKING:
     import torch
@@ -82,6 +85,7 @@ __all__ = [
     "KVStoreConnectorMetadata",
     "cpu_attention_isa",
     "namespace_for",
+    "page_layout_for",
 ]
 
 # vLLM's logger tree: its level (VLLM_LOGGING_LEVEL) and format apply to our lines.
@@ -116,14 +120,9 @@ class _RequestState:
     loaded: dict[int, int] = field(default_factory=dict)  # page id -> block index
 
 
-# Kernel ISAs whose key tiles are known (measured against transformers' KV) to be a
-# plain [head_dim, block_tokens] transpose: their blocks are stored canonical.
-_CANONICAL_ISAS = frozenset({"vec"})
-
-
 def cpu_attention_isa(vllm_config: VllmConfig, spec: Any) -> str:
-    """The ISA of vLLM's CPU attention kernel for this KV spec, which fixes how a page's
-    bytes are arranged; ``<isa>-<kv cache dtype>`` for a quantized KV cache."""
+    """The ISA of vLLM's CPU attention kernel for this KV spec (vec, vec16, amx, neon,
+    ...): it fixes how a page's bytes are arranged, never what the store holds."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -131,19 +130,14 @@ def cpu_attention_isa(vllm_config: VllmConfig, spec: Any) -> str:
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     cache_dtype = vllm_config.cache_config.cache_dtype
-    isa = _get_attn_isa(spec.dtype, spec.block_size, spec.head_size, cache_dtype)
-    return isa if cache_dtype == "auto" else f"{isa}-{cache_dtype}"
+    return str(_get_attn_isa(spec.dtype, spec.block_size, spec.head_size, cache_dtype))
 
 
 def namespace_for(
     vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model_id: str, rank: int
-) -> tuple[Namespace, bool]:
-    """This engine's KV namespace, and whether its pages' key tiles are transposed.
-
-    Canonical pages (see engine/vllm_paged.py) get the plain model id, so their blocks
-    are the ones engine/hf.py stores too; pages of any other kernel are copied as they
-    are and tagged with it (``model@vllm-cpu-<isa>``), so they never mix with others.
-    """
+) -> Namespace:
+    """This engine's KV namespace: model, canonical layout and rank, nothing about the
+    machine, so every engine and adapter of the same model and geometry shares it."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise ConfigError(
@@ -153,15 +147,38 @@ def namespace_for(
     head_v = getattr(spec, "head_size_v", spec.head_size)
     if head_v != spec.head_size or getattr(spec, "num_kv_heads", None) is None:
         raise ConfigError("KVStoreConnector needs standard attention (same K and V head size)")
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype != "auto":
+        raise ConfigError(
+            f"KVStoreConnector stores KV in the model's dtype; kv_cache_dtype={cache_dtype!r} "
+            "(a quantized KV cache) is not supported yet"
+        )
     dtype = str(spec.dtype).removeprefix("torch.")
     layers = len(groups[0].layer_names)
     layout = f"{dtype}:L{layers}:H{spec.num_kv_heads}:D{spec.head_size}:B{spec.block_size}:R{rank}"
-    model = model_id or vllm_config.model_config.model
+    return Namespace(model=model_id or vllm_config.model_config.model, layout=layout)
+
+
+def page_layout_for(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> PageLayout:
+    """The page order of the kernel this engine runs, probed with the kernel's own
+    reshape_and_cache (see engine/vllm_paged.py)."""
+    from vllm import _custom_ops as ops
+
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
     isa = cpu_attention_isa(vllm_config, spec)
-    canonical = isa in _CANONICAL_ISAS
-    if not canonical:
-        model = f"{model}@vllm-cpu-{isa}"
-    return Namespace(model=model, layout=layout), canonical
+
+    def write(key: Any, value: Any, key_cache: Any, value_cache: Any, slots: Any) -> None:
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+
+    dtype = str(spec.dtype).removeprefix("torch.")
+    layout = KVLayout.parse(f"{dtype}:L1:H1:D{spec.head_size}:B{spec.block_size}")
+    try:
+        page = probe_page_layout(write, spec.dtype, layout)
+    except ConfigError:
+        raise
+    except Exception as exc:  # the kernel refused the probe itself
+        raise ConfigError(f"probing vLLM's {isa} page layout failed: {exc}") from exc
+    return PageLayout(f"{isa}:{page.name}", page.index, page.key, page.value)
 
 
 def _chunks(n: int, size: int) -> Iterator[slice]:
@@ -189,9 +206,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             rank = get_tensor_model_parallel_rank()
         # The scheduler matches rank 0's keys; with TP > 1 a missing shard of another
         # rank shows up as a load error on that rank, which vLLM recomputes.
-        self.namespace, self._keys_transposed = namespace_for(
-            vllm_config, kv_cache_config, self.config.model_id, rank
-        )
+        self.namespace = namespace_for(vllm_config, kv_cache_config, self.config.model_id, rank)
         self.block_size = self.namespace.kv_layout.block_tokens or 0
         self.stats = ConnectorStats()
         self.store = ResilientStore(
@@ -319,12 +334,11 @@ class KVStoreConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Bind vLLM's paged tensors, in the layer order the namespace counts."""
         names = self._kv_cache_config.kv_cache_groups[0].layer_names
-        self._paged = PagedKV(
-            [kv_caches[n] for n in names],
-            self.namespace.kv_layout,
-            keys_transposed=self._keys_transposed,
-        )
+        page = page_layout_for(self._vllm_config, self._kv_cache_config)
+        self._paged = PagedKV([kv_caches[n] for n in names], self.namespace.kv_layout, page)
         self._paged.reserve(self.config.max_blocks_per_call)
+        logger.info("KVStoreConnector: pages in the %s order, stored canonical (%s path)",
+                    page.name, "structured" if page.structured else "indexed")  # fmt: skip
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Copy this step's hits into their pages before the forward runs."""

@@ -1,38 +1,176 @@
-"""Copies between vLLM's paged KV tensors and kvstore blocks.
+"""Copies between vLLM's paged KV tensors and kvstore's canonical blocks.
 
-vLLM keeps one paged tensor per attention layer; kvstore keeps one object per block
-holding every layer, ``[layers, 2, kv_heads, block_tokens, head_dim]`` (the contract in
-DESIGN.md). This module is the only place that knows how a vLLM page is laid out, so
-the connector moves whole blocks without caring which backend allocated them.
+The store holds every block in one layout whatever wrote it (DESIGN.md, "Canonical
+layout"): ``[layers, 2, kv_heads, block_tokens, head_dim]`` in the namespace's dtype,
+token-major, the same bytes engine/hf.py cuts from a transformers cache. So a block
+written by a prefill engine on an AMX machine is read by a decode engine without AMX,
+by the transformers adapter, and by a GPU engine. vLLM's CPU attention kernels each
+arrange a page differently; this module is the only place that knows how.
 
-Supported page layout, the one vLLM's CPU attention backend allocates:
-``[num_blocks, kv_heads, block_tokens, 2 * head_dim]``, whose memory per block and head
-is a key tile followed by a value tile of ``block_tokens * head_dim`` elements each. The
-value tile is ``[block_tokens, head_dim]``. The key tile depends on the kernel ISA: the
-AVX-512 kernel (``vec``) stores it transposed, ``[head_dim, block_tokens]`` (measured
-against transformers' KV for fp32 and bf16, head dims 32 and 64, blocks of 32 to 128
-tokens). With ``keys_transposed`` the copy turns it back, so stored blocks are canonical
-(token-major, equal to what engine/hf.py stores); without it the tiles are copied as
-they are, and the caller must keep such blocks in a namespace of their own.
+The page: vLLM's CPU backend allocates one tensor per layer,
+``[num_blocks, kv_heads, block_tokens, 2 * head_dim]``, and views each page and head as
+a key region followed by a value region of ``block_tokens * head_dim`` elements
+(cpu_attn.py: ``view(n, H, 2B, D).chunk(2, dim=2)``). Inside a region the kernel's
+``reshape_and_cache`` decides the order:
+
+- ``vec`` / ``vec16`` (AVX-512, AVX2, generic): the key tile transposed, ``[D, B]``;
+  the value tile token-major, ``[B, D]``.
+- ``amx`` (bf16 on AMX): tiles packed for AMX B-matrices, in 4-byte pairs of elements
+  (p = 4 / itemsize): keys as ``[B/16, D/p, 16, p]`` (16-token groups of head-dim
+  pairs), values as ``[D/16, B/p, 16, p]`` (16-dim groups of token pairs).
+
+Those orders are not trusted from this table: ``probe_page_layout`` runs the kernel's own
+``reshape_and_cache`` on tokens whose every element has a distinct bit pattern, reads
+where each one landed, and picks the table entry that agrees (a fast structured copy).
+A kernel this table does not know (NEON, VSX, RVV, a future change) gets the generic
+path: a per-element index derived from the same probe. A kernel the probe cannot map
+is refused at engine start, so a store never receives bytes in an unknown order.
 
 A gather is one ``index_select`` of whole pages per layer into a scratch buffer, then
-two copies that reorder all layers at once (the key one transposing); a scatter is two
-``index_copy_`` per layer. The cost does not depend on where vLLM put the pages (after
-some traffic a request's pages are scattered: per-run copies were 3x slower then), and
-both buffers are allocated and touched once: a fresh temporary per call is new memory,
-whose first touch on CPU costs more than the copy.
+one reordering copy per key and value for all layers at once; a scatter is the reverse.
+The cost does not depend on where vLLM put the pages, and both buffers are allocated
+and touched once: a fresh temporary per call is new memory, whose first touch on CPU
+costs more than the copy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from kvstore.errors import ConfigError
 from kvstore.layout import KVLayout
 
-__all__ = ["PagedKV"]
+__all__ = ["PageLayout", "PagedKV", "TileOrder", "known_layouts", "probe_page_layout"]
+
+# The kernel's reshape_and_cache: (key, value, key_cache, value_cache, slot_mapping),
+# with key/value [tokens, heads, head_dim] and the caches vLLM's per-region views.
+PageWriter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+_AMX_GROUP = 16  # AMX B-matrix tiles: 16 columns of 4-byte words
+
+
+@dataclass(frozen=True)
+class TileOrder:
+    """How one head's key (or value) tile sits in its page region.
+
+    The region holds the tile as a contiguous tensor of shape ``stored``; permuting it
+    by ``perm`` gives the canonical ``[B, D]`` tile with B and D split into factors
+    (``split``), so that a plain ``view`` reaches it from either side.
+    """
+
+    stored: tuple[int, ...]
+    perm: tuple[int, ...]
+
+    @property
+    def split(self) -> tuple[int, ...]:
+        """The canonical tile's shape in the permuted order (B's factors, then D's)."""
+        return tuple(self.stored[p] for p in self.perm)
+
+    @property
+    def inverse(self) -> tuple[int, ...]:
+        """The permutation that takes the split canonical tile back to ``stored``."""
+        inv = [0] * len(self.perm)
+        for i, p in enumerate(self.perm):
+            inv[p] = i
+        return tuple(inv)
+
+    def positions(self) -> torch.Tensor:
+        """For each canonical element (token-major), its offset inside the region."""
+        n = 1
+        for s in self.stored:
+            n *= s
+        return torch.arange(n).view(self.stored).permute(self.perm).reshape(n)
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """The order of one page and head: a key region then a value region.
+
+    ``index[c]`` is where canonical element ``c`` lives in the head's ``2 * B * D``
+    elements (keys ``[B, D]`` then values ``[B, D]``, token-major). ``key`` and ``value``
+    are set when a structured order matches, which copies faster than the index.
+    """
+
+    name: str
+    index: torch.Tensor
+    key: TileOrder | None = None
+    value: TileOrder | None = None
+
+    @property
+    def structured(self) -> bool:
+        """Whether gather and scatter take the structured (view and copy) path."""
+        return self.key is not None and self.value is not None
+
+
+def known_layouts(block_tokens: int, head_dim: int, itemsize: int) -> list[PageLayout]:
+    """The structured page orders of vLLM's CPU kernels that fit this geometry."""
+    B, D = block_tokens, head_dim
+    out = []
+
+    def add(name: str, key: TileOrder, value: TileOrder) -> None:
+        index = torch.cat([key.positions(), value.positions() + B * D])
+        out.append(PageLayout(name, index, key, value))
+
+    token_major = TileOrder((B, D), (0, 1))
+    add("vec", TileOrder((D, B), (1, 0)), token_major)  # vec and vec16
+    add("token-major", token_major, token_major)
+    p = 4 // itemsize if itemsize in (1, 2, 4) else 0
+    if p and B % _AMX_GROUP == 0 and B % p == 0 and D % p == 0 and D % _AMX_GROUP == 0:
+        g = _AMX_GROUP
+        add(
+            "amx",
+            TileOrder((B // g, D // p, g, p), (0, 2, 1, 3)),
+            TileOrder((D // g, B // p, g, p), (1, 3, 0, 2)),
+        )
+    return out
+
+
+def probe_page_layout(write: PageWriter, dtype: torch.dtype, layout: KVLayout) -> PageLayout:
+    """Learn a kernel's page order from the kernel itself.
+
+    ``write`` is the kernel's reshape_and_cache. One page is filled with keys and
+    values whose elements carry their own canonical offset ``t * D + d`` as a bit
+    pattern (no arithmetic touches them: the kernels copy whole words), then read back;
+    keys first, then values.
+    A structured order that agrees wins; otherwise the probed index is used as it is.
+    Raises ConfigError unless every element landed exactly once in its own region.
+    """
+    if layout.block_tokens is None:
+        raise ConfigError("probing a page layout needs a block size (:B<n>)")
+    B, D = layout.block_tokens, layout.head_dim
+    n = B * D
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    int_type = {2: torch.int16, 4: torch.int32}.get(itemsize)
+    if int_type is None or n >= 1 << (8 * itemsize):
+        raise ConfigError(f"cannot probe vLLM pages of {dtype} with {B}x{D} tiles")
+    bits = (1 << (8 * itemsize)) - 1
+    # Two's-complement wrap keeps each offset's low bits: the bit pattern is the offset.
+    offsets = torch.arange(n, dtype=torch.int64).view(B, 1, D).to(torch.int32).to(int_type)
+    blank = torch.full_like(offsets, -1)  # all ones: no offset's pattern
+    slots = torch.arange(B, dtype=torch.long)
+    index = torch.empty(2 * n, dtype=torch.int64)
+    # Keys and values are probed one at a time, so a kernel that swapped the two
+    # regions (or wrote one into both) is caught rather than mapped.
+    for region, (key, value) in enumerate(((offsets, blank), (blank, offsets))):
+        kv = torch.full((1, 1, B, 2 * D), -1, dtype=int_type)
+        key_cache, value_cache = kv.view(dtype).view(1, 1, 2 * B, D).chunk(2, dim=2)
+        write(key.view(dtype).clone(), value.view(dtype).clone(), key_cache, value_cache, slots)
+        page = kv.view(2, n).to(torch.int64) & bits
+        values, order = torch.sort(page[region])
+        if not torch.equal(values, torch.arange(n)) or bool((page[1 - region] != bits).any()):
+            raise ConfigError(
+                "vLLM's attention kernel stored a probe page in an order the KV connector "
+                "cannot map (elements lost, doubled or moved between keys and values); "
+                "refusing to store its pages"
+            )
+        index[region * n : (region + 1) * n] = order + region * n
+    for known in known_layouts(B, D, itemsize):
+        if torch.equal(known.index, index):
+            return known
+    return PageLayout("probed", index)
 
 
 class PagedKV:
@@ -40,29 +178,36 @@ class PagedKV:
 
     ``layout`` must carry the block size (``...:B32``); every tensor is checked against
     it at construction, so a wrong geometry fails at engine start, not mid-request.
+    ``page`` is the kernel's order (``probe_page_layout``).
     """
 
-    def __init__(
-        self, layers: Sequence[torch.Tensor], layout: KVLayout, *, keys_transposed: bool
-    ) -> None:
+    def __init__(self, layers: Sequence[torch.Tensor], layout: KVLayout, page: PageLayout) -> None:
         if layout.block_tokens is None:
             raise ConfigError("PagedKV needs a layout with a block size (:B<n>)")
         if len(layers) != layout.layers:
             raise ConfigError(f"{len(layers)} KV tensors for a {layout.layers}-layer layout")
         self.layout = layout
+        self.page = page
         self.block_shape = layout.block_shape()
-        self.keys_transposed = keys_transposed
         for t in layers:
             _check_page_tensor(t, layout)
         H, B, D = layout.kv_heads, layout.block_tokens, layout.head_dim
+        if page.index.numel() != 2 * B * D:
+            raise ConfigError(f"page layout {page.name!r} is for another tile size")
         self.num_blocks = layers[0].shape[0]
         self.dtype = layers[0].dtype
         self.device = layers[0].device
-        key_tile = (D, B) if keys_transposed else (B, D)
-        # Per layer: whole pages [blocks, H, 2, B*D]; key and value tiles as stored.
+        # Per layer: whole pages [blocks, H, 2, B*D] and, on the structured path, each
+        # region seen in its stored shape [blocks, H, *stored].
         self._pages = [t.view(t.shape[0], H, 2, B * D) for t in layers]
-        self._keys = [p[:, :, 0].view(p.shape[0], H, *key_tile) for p in self._pages]
-        self._values = [p[:, :, 1].view(p.shape[0], H, B, D) for p in self._pages]
+        self._tiles: list[list[torch.Tensor]] = []
+        if page.key is not None and page.value is not None:
+            orders = (page.key, page.value)
+            self._tiles = [
+                [p[:, :, kv].view(p.shape[0], H, *orders[kv].stored) for p in self._pages]
+                for kv in (0, 1)
+            ]
+        self._index = page.index.to(self.device)
         self._staging = torch.empty((0, *self.block_shape), dtype=self.dtype)
         self._scratch = torch.empty((len(layers), 0, H, 2, B * D), dtype=self.dtype)
 
@@ -80,49 +225,61 @@ class PagedKV:
             self._scratch = torch.zeros((L, n, H, two, BD), dtype=self.dtype)
         return self._staging[:n]
 
-    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
+    def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
         idx = torch.as_tensor(list(block_ids), dtype=torch.long)
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.num_blocks):
             raise IndexError(f"block id out of range [0, {self.num_blocks})")
         return idx.to(self.device)
 
-    def _key_order(self, t: torch.Tensor) -> torch.Tensor:
-        """Canonical key tiles ``[..., B, D]`` seen in the pages' orientation."""
-        return t.transpose(-1, -2) if self.keys_transposed else t
-
     def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """The blocks ``block_ids`` as ``[n, L, 2, H, B, D]`` (a view of the staging buffer,
-        valid until the next gather or staging call)."""
+        """The blocks ``block_ids`` as ``[n, L, 2, H, B, D]``, canonical (a view of the
+        staging buffer, valid until the next gather or staging call)."""
         n = len(block_ids)
         out = self.staging(n)
         if n == 0:
             return out
-        idx = self._index(block_ids)
-        scratch = self._scratch[:, :n]  # [L, n, H, 2, B*D]
+        idx = self._ids(block_ids)
+        scratch = self._scratch[:, :n]  # [L, n, H, 2, B*D], page order
         for li, pages in enumerate(self._pages):
             torch.index_select(pages, 0, idx, out=scratch[li])
-        L, _, H, _, _ = scratch.shape
+        L, _, H, _, BD = scratch.shape
         B, D = self.block_shape[3], self.block_shape[4]
-        key_tile = (D, B) if self.keys_transposed else (B, D)
-        # Both copies write through a permuted view and read contiguously (the fast way
-        # round for a transposing copy on CPU: ~2.5x faster than the reverse).
-        self._key_order(out[:, :, 0].transpose(0, 1)).copy_(
-            scratch[:, :, :, 0].view(L, n, H, *key_tile)
-        )
-        out[:, :, 1].transpose(0, 1).copy_(scratch[:, :, :, 1].view(L, n, H, B, D))
+        key, value = self.page.key, self.page.value
+        if key is not None and value is not None:
+            # Write through a permuted view, read contiguously (the fast way round for
+            # a reordering copy on CPU: ~2.5x faster than the reverse).
+            for kv, order in ((0, key), (1, value)):
+                dst = out[:, :, kv].transpose(0, 1).view(L, n, H, *order.split)
+                dst.permute(0, 1, 2, *(3 + i for i in order.inverse)).copy_(
+                    scratch[:, :, :, kv].view(L, n, H, *order.stored)
+                )
+            return out
+        flat = scratch.view(L, n, H, 2 * BD).index_select(3, self._index)
+        out.permute(1, 0, 3, 2, 4, 5).copy_(flat.view(L, n, H, 2, B, D))
         return out
 
     def scatter(self, blocks: torch.Tensor, block_ids: Sequence[int]) -> None:
-        """Write ``blocks`` (``[n, L, 2, H, B, D]``) into the pages ``block_ids``."""
+        """Write canonical ``blocks`` (``[n, L, 2, H, B, D]``) into the pages ``block_ids``."""
         if blocks.shape[0] != len(block_ids) or tuple(blocks.shape[1:]) != self.block_shape:
             raise ValueError(f"blocks {tuple(blocks.shape)} for {len(block_ids)} block ids")
         if not block_ids:
             return
-        idx = self._index(block_ids)
+        idx = self._ids(block_ids)
         src = blocks.to(self.device)
-        for li in range(len(self._pages)):
-            self._keys[li].index_copy_(0, idx, self._key_order(src[:, li, 0]))
-            self._values[li].index_copy_(0, idx, src[:, li, 1])
+        n, L, _, H, B, D = src.shape
+        key, value = self.page.key, self.page.value
+        if key is not None and value is not None:
+            for kv, order in ((0, key), (1, value)):
+                for li in range(L):
+                    tile = src[:, li, kv].reshape(n, H, *order.split)
+                    stored = tile.permute(0, 1, *(2 + i for i in order.inverse))
+                    self._tiles[kv][li].index_copy_(0, idx, stored)
+            return
+        canon = src.permute(1, 0, 3, 2, 4, 5).reshape(L, n, H, 2 * B * D)
+        for li, pages in enumerate(self._pages):
+            page = pages.index_select(0, idx).view(n, H, 2 * B * D)
+            page.index_copy_(2, self._index, canon[li])
+            pages.index_copy_(0, idx, page.view(n, H, 2, B * D))
 
 
 def _check_page_tensor(t: torch.Tensor, layout: KVLayout) -> None:

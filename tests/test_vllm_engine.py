@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import mmap
+import os
 import random
 import signal
 import threading
@@ -36,7 +37,6 @@ if importlib.util.find_spec("vllm") is None:
 pytestmark = pytest.mark.slow
 
 MODEL_ID = "tiny-llama"
-LAYOUTS = {"float32": "float32:L2:H2:D32:B32:R0", "bfloat16": "bfloat16:L2:H2:D32:B32:R0"}
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +83,11 @@ def engines(root: Path, store: ServerProcess) -> Iterator[dict[str, EngineProces
         ),
         "ref16": EngineSpec(model, dtype="bfloat16"),
         "both16": EngineSpec(model, dtype="bfloat16", role="kv_both", extra=extra),
+        # Decode on other hardware: a consumer forced onto a kernel both16 does not run
+        # (both16 runs vec here, amx on an AMX machine), so their pages differ.
+        "cons16": EngineSpec(
+            model, dtype="bfloat16", role="kv_consumer", extra=extra, attn_isa=other_isa()
+        ),
     }
     started = {name: EngineProcess(spec, root, name, hold=True) for name, spec in specs.items()}
     try:
@@ -97,6 +102,12 @@ def engines(root: Path, store: ServerProcess) -> Iterator[dict[str, EngineProces
             e.quit()
         for e in started.values():
             e.close()
+
+
+def other_isa() -> str:
+    """A kernel the other engines do not run: vec16 (it takes any geometry), or vec when
+    the whole suite is forced onto vec16 (KVSTORE_TEST_VLLM_ISA)."""
+    return "vec" if os.environ.get("KVSTORE_TEST_VLLM_ISA") == "vec16" else "vec16"
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -126,17 +137,24 @@ def worker(e: EngineProcess) -> dict[str, int]:
     return e.stats()["worker"]
 
 
-def store_client(store: ServerProcess, dtype: str) -> StoreClient:
-    return store.client(namespace=Namespace(MODEL_ID, LAYOUTS[dtype]))
+def namespace_of(e: EngineProcess) -> Namespace:
+    """The namespace the engine's connector reports: what it derives from its model and
+    pages, never a constant that holds on one CPU only."""
+    model, layout, tenant = e.info()["worker"]["namespace"]
+    return Namespace(model, layout, tenant)
 
 
-def keys_of(tokens: list[int], dtype: str) -> list[bytes]:
-    return list(prefix_keys(tokens, BLOCK, Namespace(MODEL_ID, LAYOUTS[dtype])))
+def store_client(store: ServerProcess, e: EngineProcess) -> StoreClient:
+    return store.client(namespace=namespace_of(e))
 
 
-def corrupt(store: ServerProcess, dtype: str, key: bytes) -> None:
+def keys_of(tokens: list[int], e: EngineProcess) -> list[bytes]:
+    return list(prefix_keys(tokens, BLOCK, namespace_of(e)))
+
+
+def corrupt(store: ServerProcess, e: EngineProcess, key: bytes) -> None:
     """Flip bytes of a stored block's payload in the server's shared-memory segment."""
-    with store_client(store, dtype) as c:
+    with store_client(store, e) as c:
         value = c.get(key)
     assert value is not None, "block to corrupt is not stored"
     payload = value.contiguous().view(torch.uint8).numpy().tobytes()
@@ -210,15 +228,57 @@ def test_bf16_save_then_load_in_one_engine(engines: dict[str, EngineProcess]) ->
     assert worker(both)["loaded_blocks"] - before["loaded_blocks"] == usable_blocks(250)
 
 
+def test_blocks_cross_attention_kernels(engines: dict[str, EngineProcess]) -> None:
+    """bf16 blocks saved from one CPU kernel's pages load into another kernel's pages:
+    the store holds one canonical layout, and the namespace names no kernel."""
+    saver, loader = engines["both16"], engines["cons16"]
+    kernels = saver.info()["worker"]["isa"], loader.info()["worker"]["isa"]
+    assert kernels[0] != kernels[1], kernels
+    assert namespace_of(saver) == namespace_of(loader)
+    p = prompt(12, 230)
+    ref = engines["ref16"].generate([p], 12)[0]
+    assert saver.generate([p], 12)[0]["tokens"] == ref["tokens"]
+    out = loader.generate([p], 12)[0]
+    assert out["cached"] == usable_blocks(230) * BLOCK
+    assert out["tokens"] == ref["tokens"]
+
+
+def test_transformers_decodes_from_blocks_vllm_wrote(
+    engines: dict[str, EngineProcess], store: ServerProcess, root: Path
+) -> None:
+    """engine/hf.py loads the prefix a vLLM engine stored (same model, written to disk)
+    and its greedy tokens are vLLM's."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.hf import HFKVAdapter
+
+    p = prompt(13, 170)
+    ref = engines["ref32"].generate([p], 12)[0]
+    engines["prod32"].generate([p], 1)
+    model = AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.float32).eval()
+    adapter = HFKVAdapter(model, model_id=MODEL_ID, block_tokens=BLOCK)
+    assert adapter.namespace == namespace_of(engines["prod32"])
+    with store_client(store, engines["prod32"]) as c, torch.no_grad():
+        n, cache = adapter.load_prefix(c, adapter.keys(p), len(p))
+        assert n == usable_blocks(170)
+        out = model(torch.tensor([p[n * BLOCK :]]), past_key_values=cache, use_cache=True)
+        tokens = []
+        for _ in range(12):
+            tokens.append(int(out.logits[0, -1].argmax()))
+            out = model(torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values,
+                        use_cache=True)  # fmt: skip
+    assert tokens == ref["tokens"]
+
+
 def test_loaded_kv_is_what_the_engine_attends_to(
     engines: dict[str, EngineProcess], store: ServerProcess
 ) -> None:
     """Control: valid-looking but wrong blocks change the output, so equal outputs in
     the other tests come from loaded KV, not from a silent recompute."""
     p = prompt(10, 200)
-    keys = keys_of(p, "float32")[: usable_blocks(200)]
+    keys = keys_of(p, engines["prod32"])[: usable_blocks(200)]
     gen = torch.Generator().manual_seed(0)
-    with store_client(store, "float32") as c:
+    with store_client(store, engines["prod32"]) as c:
         wrong = [torch.randn(2, 2, 2, BLOCK, 32, generator=gen) * 3 for _ in keys]
         assert c.batch_put(keys, wrong) == [True] * len(keys)
     out = engines["cons32"].generate([p], 12)[0]
@@ -240,11 +300,11 @@ def test_stored_blocks_are_canonical(
     model = AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.float32).eval()
     adapter = HFKVAdapter(model, model_id=MODEL_ID, block_tokens=BLOCK)
     keys = adapter.keys(p)
-    assert keys == keys_of(p, "float32")
+    assert keys == keys_of(p, engines["prod32"])
     with torch.no_grad():
         cache = model(torch.tensor([p]), use_cache=True).past_key_values
     expected = adapter.blocks_from_cache(cache, 0, len(keys))
-    with store_client(store, "float32") as c:
+    with store_client(store, engines["prod32"]) as c:
         for key, want in zip(keys, expected, strict=True):
             torch.testing.assert_close(c.get(key), want, atol=1e-4, rtol=1e-4)
 
@@ -259,15 +319,15 @@ def test_corrupt_block_is_a_miss_and_output_is_unchanged(
     p = prompt(6, 300)
     ref = engines["ref32"].generate([p], 12)[0]
     engines["prod32"].generate([p], 1)
-    keys = keys_of(p, "float32")
-    corrupt(store, "float32", keys[3])
+    keys = keys_of(p, engines["prod32"])
+    corrupt(store, engines["prod32"], keys[3])
     before = worker(cons)
     out = cons.generate([p], 12)[0]
     after = worker(cons)
     assert out["tokens"] == ref["tokens"]
     assert after["failed_blocks"] - before["failed_blocks"] == 6  # block 3 and all after it
     assert after["loaded_blocks"] - before["loaded_blocks"] == 3
-    with store_client(store, "float32") as c:  # the connector dropped the bad block
+    with store_client(store, engines["prod32"]) as c:  # the connector dropped the bad block
         assert c.exists(keys[:5]) == [True, True, True, False, True]
     cons.reset()
     again = cons.generate([p], 12)[0]
@@ -282,7 +342,7 @@ def test_corrupt_block_is_recomputed_and_saved_again(
     p = prompt(7, 200)
     ref = engines["ref16"].generate([p], 10)[0]
     both.generate([p], 10)
-    corrupt(store, "bfloat16", keys_of(p, "bfloat16")[2])
+    corrupt(store, both, keys_of(p, both)[2])
     both.reset()
     healed = both.generate([p], 10)[0]  # fails at block 2, recomputes, saves it again
     both.reset()
@@ -307,8 +367,9 @@ def test_store_lost_between_lookup_and_load(
     assert out["tokens"] == ref["tokens"]
     assert after["failed_blocks"] - before["failed_blocks"] == usable_blocks(300)
     assert after["store_errors"] - before["store_errors"] == 1
-    with store_client(store, "float32") as c:  # an outage is not a bad block: nothing removed
-        assert c.match_prefix(keys_of(p, "float32")) == usable_blocks(300)
+    # An outage is not a bad block: nothing removed.
+    with store_client(store, engines["prod32"]) as c:
+        assert c.match_prefix(keys_of(p, engines["prod32"])) == usable_blocks(300)
     back = until_hit(cons, p, usable_blocks(300) * BLOCK)
     assert back["tokens"] == ref["tokens"][:8]
 

@@ -3,6 +3,7 @@ wrapper and the paged-KV copies. Runs in the main environment (and in .venv-vllm
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from engine import vllm_store
-from engine.vllm_paged import PagedKV
+from engine.vllm_paged import PagedKV, PageLayout, known_layouts, probe_page_layout
 from engine.vllm_store import ConnectorConfig, ConnectorStats, NodeStore, ResilientStore
 from kvstore import Namespace, StoreNode, prefix_keys
 from kvstore.errors import ConfigError, TimeoutError_, Unavailable
@@ -208,56 +209,185 @@ def test_long_prompts_match_in_slices(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # -- paged KV ---------------------------------------------------------------------------
+#
+# Reference writers, written from the kernels' documented element formulas one element at
+# a time (independently of engine/vllm_paged.py's views): (token t, dim d) of a head goes
+# to these offsets of the head's key and value regions.
 
 
-def cpu_pages(
-    blocks: torch.Tensor, num_pages: int, page_ids: list[int], transposed: bool
-) -> list[torch.Tensor]:
-    """vLLM CPU-backend tensors holding ``blocks`` at ``page_ids``, built independently of
-    PagedKV: per page and head, the key tile (transposed or not) then the value tile."""
-    _, L, _, H, B, D = blocks.shape
-    layers = [torch.zeros(num_pages, H, B, 2 * D, dtype=blocks.dtype) for _ in range(L)]
-    for j, page in enumerate(page_ids):
-        for li in range(L):
+def _vec_offsets(B: int, D: int, itemsize: int) -> tuple[Any, Any]:
+    return (lambda t, d: d * B + t), (lambda t, d: t * D + d)
+
+
+def _amx_offsets(B: int, D: int, itemsize: int) -> tuple[Any, Any]:
+    p = 4 // itemsize  # elements per 4-byte word
+
+    def key(t: int, d: int) -> int:  # 16-token groups of head-dim words
+        return (t // 16) * 16 * D + (d // p) * 16 * p + (t % 16) * p + d % p
+
+    def value(t: int, d: int) -> int:  # 16-dim groups of token words
+        return (d // 16) * B * 16 + (t // p) * 16 * p + (d % 16) * p + t % p
+
+    return key, value
+
+
+def _shuffled_offsets(B: int, D: int, itemsize: int) -> tuple[Any, Any]:
+    """An order no table entry knows, to exercise the probed (indexed) path."""
+    n = B * D
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(7)).tolist()
+    return (lambda t, d: perm[t * D + d]), (lambda t, d: perm[n - 1 - (t * D + d)])
+
+
+OFFSETS = {"vec": _vec_offsets, "amx": _amx_offsets, "shuffled": _shuffled_offsets}
+
+
+def reference_writer(kind: str) -> Any:
+    """A reshape_and_cache with the signature of vLLM's, element by element."""
+
+    def write(key: Any, value: Any, key_cache: Any, value_cache: Any, slots: Any) -> None:
+        _, H, B, D = key_cache.shape
+        k_at, v_at = OFFSETS[kind](B, D, key.element_size())
+        for i, slot in enumerate(slots.tolist()):
+            page, t = divmod(slot, B)
             for h in range(H):
-                k = blocks[j, li, 0, h]
-                k = k.t() if transposed else k
-                flat = torch.cat([k.reshape(-1), blocks[j, li, 1, h].reshape(-1)])
-                layers[li][page, h] = flat.view(B, 2 * D)
+                kflat = key_cache[page, h].view(-1)
+                vflat = value_cache[page, h].view(-1)
+                for d in range(D):
+                    kflat[k_at(t, d)] = key[i, h, d]
+                    vflat[v_at(t, d)] = value[i, h, d]
+
+    return write
+
+
+def kernel_pages(
+    write: Any, blocks: torch.Tensor, num_pages: int, page_ids: list[int]
+) -> list[torch.Tensor]:
+    """vLLM CPU-backend tensors holding canonical ``blocks`` at ``page_ids``, written the
+    way the backend writes them: tokens ``[T, H, D]`` through ``write`` into the key and
+    value views of ``[pages, H, B, 2D]``."""
+    n, L, _, H, B, D = blocks.shape
+    slots = torch.cat([torch.arange(p * B, (p + 1) * B) for p in page_ids])
+    layers = []
+    for li in range(L):
+        kv = torch.zeros(num_pages, H, B, 2 * D, dtype=blocks.dtype)
+        key_cache, value_cache = kv.view(num_pages, H, 2 * B, D).chunk(2, dim=2)
+        k = blocks[:, li, 0].permute(0, 2, 1, 3).reshape(n * B, H, D).contiguous()
+        v = blocks[:, li, 1].permute(0, 2, 1, 3).reshape(n * B, H, D).contiguous()
+        write(k, v, key_cache, value_cache, slots)
+        layers.append(kv)
     return layers
 
 
-@pytest.mark.parametrize("transposed", [True, False])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_gather_and_scatter_follow_the_page_layout(
-    transposed: bool, dtype: torch.dtype
-) -> None:
-    layout = KVLayout.parse(LAYOUT.replace("float32", str(dtype).removeprefix("torch.")))
-    blocks = torch.randn(5, *layout.block_shape()).to(dtype)
-    page_ids = [5, 6, 0, 2, 3]  # runs of consecutive pages and single ones
-    layers = cpu_pages(blocks, 8, page_ids, transposed)
-    paged = PagedKV(layers, layout, keys_transposed=transposed)
+def check_round_trip(write: Any, layout: KVLayout, dtype: torch.dtype) -> PageLayout:
+    """Probe ``write``'s order, then gather what it wrote and scatter it back."""
+    page = probe_page_layout(write, dtype, layout)
+    blocks = torch.randn(4, *layout.block_shape()).to(dtype)
+    page_ids = [5, 6, 0, 3]  # a run of consecutive pages and single ones
+    layers = kernel_pages(write, blocks, 8, page_ids)
+    paged = PagedKV(layers, layout, page)
     assert torch.equal(paged.gather(page_ids), blocks)
-    assert torch.equal(paged.gather([3]), blocks[4:])
-
+    assert torch.equal(paged.gather([3]), blocks[3:])
     empty = [torch.zeros_like(t) for t in layers]
-    PagedKV(empty, layout, keys_transposed=transposed).scatter(blocks, page_ids)
+    PagedKV(empty, layout, page).scatter(blocks, page_ids)
     assert all(torch.equal(a, b) for a, b in zip(empty, layers, strict=True))
+    return page
+
+
+@pytest.mark.parametrize(("kind", "path"), [("vec", "vec"), ("amx", "amx"), ("shuffled", "probed")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_copies_follow_each_kernel_order(kind: str, path: str, dtype: torch.dtype) -> None:
+    """Every order comes back canonical; known ones take their structured copy."""
+    name = str(dtype).removeprefix("torch.")
+    layout = KVLayout.parse(f"{name}:L2:H2:D32:B32:R0")
+    page = check_round_trip(reference_writer(kind), layout, dtype)
+    assert page.name == path
+    assert page.structured == (path != "probed")
+
+
+def test_probe_refuses_an_order_it_cannot_map() -> None:
+    layout = KVLayout.parse("float32:L1:H1:D16:B16")
+
+    def lossy(key: Any, value: Any, key_cache: Any, value_cache: Any, slots: Any) -> None:
+        reference_writer("vec")(key, value, key_cache, value_cache, slots)
+        key_cache[0, 0, 0, 0] = key_cache[0, 0, 0, 1]  # one element doubled, one lost
+
+    with pytest.raises(ConfigError, match="cannot map"):
+        probe_page_layout(lossy, torch.float32, layout)
+
+    def swapped(key: Any, value: Any, key_cache: Any, value_cache: Any, slots: Any) -> None:
+        reference_writer("vec")(value, key, key_cache, value_cache, slots)  # K and V swapped
+
+    with pytest.raises(ConfigError, match="cannot map"):
+        probe_page_layout(swapped, torch.float32, layout)
 
 
 def test_paged_refuses_what_it_does_not_know() -> None:
     layout = KVLayout.parse(LAYOUT)
+    page = known_layouts(4, 8, 4)[0]
     good = [torch.zeros(4, 2, 4, 16) for _ in range(3)]
     with pytest.raises(ConfigError, match="page layout"):
-        PagedKV([torch.zeros(2, 4, 4, 2, 8)] * 3, layout, keys_transposed=True)
+        PagedKV([torch.zeros(2, 4, 4, 2, 8)] * 3, layout, page)
     with pytest.raises(ConfigError, match="dtype"):
-        PagedKV([t.half() for t in good], layout, keys_transposed=True)
+        PagedKV([t.half() for t in good], layout, page)
     with pytest.raises(ConfigError, match="2 KV tensors"):
-        PagedKV(good[:2], layout, keys_transposed=True)
+        PagedKV(good[:2], layout, page)
     with pytest.raises(ConfigError, match="block size"):
-        PagedKV(good, KVLayout.parse("float32:L3:H2:D8"), keys_transposed=True)
-    paged = PagedKV(good, layout, keys_transposed=True)
+        PagedKV(good, KVLayout.parse("float32:L3:H2:D8"), page)
+    with pytest.raises(ConfigError, match="another tile size"):
+        PagedKV(good, layout, known_layouts(8, 8, 4)[0])
+    paged = PagedKV(good, layout, page)
     with pytest.raises(IndexError):
         paged.gather([4])
     with pytest.raises(ValueError, match="block ids"):
         paged.scatter(torch.zeros(2, *layout.block_shape()), [0])
+
+
+# -- vLLM's own kernels (in .venv-vllm) -------------------------------------------------
+
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM runs in .venv-vllm (make test-vllm)"
+)
+# Every CPU kernel this vLLM build carries for x86 (the kernels' reshape_and_cache is
+# plain copies, so each one runs here whatever the CPU: amx's too, without AMX).
+KERNELS = [("vec", "float32"), ("vec", "bfloat16"), ("vec16", "float32"),
+           ("vec16", "bfloat16"), ("amx", "bfloat16")]  # fmt: skip
+
+
+def vllm_writer(isa: str) -> Any:
+    from vllm import _custom_ops as ops
+
+    def write(key: Any, value: Any, key_cache: Any, value_cache: Any, slots: Any) -> None:
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+
+    return write
+
+
+@needs_vllm
+@pytest.mark.parametrize(("isa", "dtype"), KERNELS)
+@pytest.mark.parametrize("geometry", ["H2:D32:B32", "H3:D64:B64", "H1:D128:B32"])
+def test_real_kernel_pages_come_back_canonical(isa: str, dtype: str, geometry: str) -> None:
+    layout = KVLayout.parse(f"{dtype}:L2:{geometry}:R0")
+    page = check_round_trip(vllm_writer(isa), layout, getattr(torch, dtype))
+    assert page.structured, f"{isa} took the indexed path"
+
+
+@needs_vllm
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_blocks_saved_through_one_kernel_load_through_another(dtype: str) -> None:
+    """A prefill engine's pages (one kernel) -> canonical blocks -> a decode engine's
+    pages (another kernel) equal what the second kernel writes for the same KV."""
+    layout = KVLayout.parse(f"{dtype}:L2:H2:D64:B32:R0")
+    torch_dtype = getattr(torch, dtype)
+    kernels = [isa for isa, dt in KERNELS if dt == dtype]
+    blocks = torch.randn(3, *layout.block_shape()).to(torch_dtype)
+    for src in kernels:
+        written = kernel_pages(vllm_writer(src), blocks, 4, [2, 0, 3])
+        page = probe_page_layout(vllm_writer(src), torch_dtype, layout)
+        stored = PagedKV(written, layout, page).gather([2, 0, 3]).clone()
+        assert torch.equal(stored, blocks)
+        for dst in kernels:
+            want = kernel_pages(vllm_writer(dst), blocks, 5, [4, 1, 2])
+            got = [torch.zeros_like(t) for t in want]
+            dst_page = probe_page_layout(vllm_writer(dst), torch_dtype, layout)
+            PagedKV(got, layout, dst_page).scatter(stored, [4, 1, 2])
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), (src, dst)

@@ -114,6 +114,13 @@ class EngineSpec:
     max_model_len: int = 4096
     block_size: int = BLOCK
     max_batched_tokens: int | None = None  # prefill chunk; None: max_model_len
+    # The CPU attention kernel (vec, vec16, amx, ...); None: the one vLLM picks for this
+    # CPU, or KVSTORE_TEST_VLLM_ISA when set (to run the suite on another kernel).
+    attn_isa: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.attn_isa is None:
+            self.attn_isa = os.environ.get("KVSTORE_TEST_VLLM_ISA") or None
 
 
 class EngineProcess:
@@ -176,6 +183,11 @@ class EngineProcess:
     def stats(self) -> dict[str, dict[str, int]]:
         """The connector counters of both sides (``scheduler``, ``worker``)."""
         return dict(self.call("stats"))
+
+    def info(self) -> dict[str, dict[str, Any]]:
+        """What each connector side runs on: ``namespace`` (model, layout, tenant), and on
+        the worker side the attention kernel ``isa`` and the ``page`` order it probed."""
+        return dict(self.call("info"))
 
     def reset(self) -> None:
         """Drop vLLM's local prefix cache, so the next hit can only come from the store."""
@@ -266,9 +278,20 @@ class _LoadFaults:
 # -- the child -------------------------------------------------------------------------
 
 
+def _force_attn_isa(isa: str) -> None:
+    """Make vLLM's CPU backend (and the connector, which asks the same function) run
+    ``isa``: vLLM has no switch for it, and the choice is made in this process."""
+    from vllm.v1.attention.backends import cpu_attn
+
+    cpu_attn._get_attn_isa = lambda *args, **kwargs: isa
+
+
 def _build_llm(spec: EngineSpec) -> Any:
     from vllm import LLM
     from vllm.config import KVTransferConfig
+
+    if spec.attn_isa is not None:
+        _force_attn_isa(spec.attn_isa)
 
     kv = None
     if spec.role is not None:
@@ -321,6 +344,19 @@ def _counters(connector: Any) -> dict[str, Any]:
     return out
 
 
+def _info(llm: Any) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for side, c in _connectors(llm).items():
+        ns = c.namespace
+        facts: dict[str, Any] = {"namespace": [ns.model, ns.layout, ns.tenant]}
+        paged = getattr(c, "_paged", None)
+        if paged is not None:
+            facts["page"] = paged.page.name
+            facts["isa"] = paged.page.name.split(":")[0]
+        out[side] = facts
+    return out
+
+
 def _generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -370,6 +406,8 @@ def _serve(spec: EngineSpec) -> None:
             elif op == "fail_loads":
                 _connectors(llm)["worker"].failing_loads = int(cmd["n"])
                 send(result=True)
+            elif op == "info":
+                send(result=_info(llm))
             elif op == "reset":
                 send(result=bool(llm.reset_prefix_cache()))
             elif op == "stats":
