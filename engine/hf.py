@@ -85,15 +85,37 @@ class HFKVAdapter:
             out.append(block)
         return out
 
-    def cache_from_blocks(self, blocks: torch.Tensor) -> Any:
-        """A DynamicCache holding ``blocks`` (``[n, L, 2, H, B, D]``) as its prefix."""
+    def span_blocks(self, cache: Any, start: int, stop: int) -> list[torch.Tensor]:
+        """Tokens ``start..stop-1`` of a batch-1 cache as blocks, the last one zero-padded.
+
+        How a request hands over KV that is not a full block of its own (the partial
+        tail, or a full block whose stored copy is another computation's bytes): the
+        padding keeps every stored object in the namespace's block shape, and the
+        reader crops it (:meth:`cache_from_blocks` ``tokens=``).
+        """
+        B = self.block_tokens
+        layers = cache.layers
+        out = []
+        for s0 in range(start, stop, B):
+            s1 = min(s0 + B, stop)
+            block = torch.zeros(self.block_shape, dtype=self.dtype)
+            for li, layer in enumerate(layers):
+                block[li, 0, :, : s1 - s0].copy_(layer.keys[0, :, s0:s1, :])
+                block[li, 1, :, : s1 - s0].copy_(layer.values[0, :, s0:s1, :])
+            out.append(block)
+        return out
+
+    def cache_from_blocks(self, blocks: torch.Tensor, tokens: int | None = None) -> Any:
+        """A DynamicCache holding ``blocks`` (``[n, L, 2, H, B, D]``) as its prefix,
+        cropped to its first ``tokens`` tokens when given (a padded last block)."""
         from transformers import DynamicCache
 
         n, L, _, H, B, D = blocks.shape
+        t = n * B if tokens is None else tokens
         data = []
         for li in range(L):
-            k = blocks[:, li, 0].permute(1, 0, 2, 3).reshape(1, H, n * B, D)
-            v = blocks[:, li, 1].permute(1, 0, 2, 3).reshape(1, H, n * B, D)
+            k = blocks[:, li, 0].permute(1, 0, 2, 3).reshape(1, H, n * B, D)[:, :, :t]
+            v = blocks[:, li, 1].permute(1, 0, 2, 3).reshape(1, H, n * B, D)[:, :, :t]
             data.append((k.contiguous(), v.contiguous()))
         return DynamicCache(ddp_cache_data=data, config=self.model.config)
 

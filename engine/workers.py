@@ -3,23 +3,51 @@
 The prefill worker matches the prompt's longest stored prefix, loads it, computes
 the rest, writes the new full blocks and hands the request off (prompt + first
 token). The decode worker, typically another process on another host, fetches the
-prompt's blocks from the store, recomputes only the tail that is not a full block
-(at least the last prompt token), checks that it reproduces the prefill's first
-token, and streams greedy tokens. Neither worker sees the other's tensors.
+prompt's KV from the store and streams greedy tokens. Neither worker sees the
+other's tensors.
+
+The handoff is lossless: the decode worker continues from exactly the KV the
+prefill worker holds, bit for bit, so its tokens equal the prefill worker's own
+continuation in any dtype. Recomputing the partial tail on the decode side is not
+enough: in bf16 a forward over the tail against a cached prefix rounds differently
+from the prefill's pass (4 of 8 SmolLM2 chat prompts diverged). So the prefill
+worker also writes request-scoped blocks for every prompt token whose KV the shared
+prefix blocks do not already hold as it computed them: the partial tail (zero-padded
+to a block), and a full block whose stored copy came from another computation (a
+block already present, recomputed because at least the last prompt token always
+is). Those keys are random per request, never prefix keys, so no other request
+matches them; the serving layer removes them after the decode loaded them.
+
+When the request-scoped blocks cannot be read (a store node down), the decode worker
+falls back to what the store has and recomputes the rest: a miss and a recompute,
+exact in fp32, and counted (``tail_recomputed``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import secrets
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
 from engine.hf import BlockStore, HFKVAdapter
+from kvstore.errors import KVStoreError
 
-__all__ = ["DecodeWorker", "Handoff", "PrefillStats", "PrefillWorker"]
+__all__ = [
+    "DecodeWorker",
+    "Handoff",
+    "PrefillStats",
+    "PrefillWorker",
+    "greedy_continue",
+    "scoped_keys",
+]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -45,6 +73,10 @@ class Handoff:
     prompt: list[int]
     first_token: int
     stats: PrefillStats = field(default_factory=PrefillStats)
+    shared_blocks: int = -1
+    """Leading prompt blocks whose stored bytes are exactly this prefill's KV (-1: unknown)."""
+    scoped: list[str] = field(default_factory=list)
+    """Hex keys of the request-scoped blocks holding tokens ``shared_blocks * B`` onward."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (for a queue or a pipe between processes)."""
@@ -58,7 +90,45 @@ class Handoff:
             list(d["prompt"]),
             int(d["first_token"]),
             PrefillStats(**d.get("stats", {})),
+            int(d.get("shared_blocks", -1)),
+            [str(k) for k in d.get("scoped", [])],
         )
+
+    def scoped_keys(self) -> list[bytes]:
+        """The request-scoped block keys as bytes."""
+        return [bytes.fromhex(k) for k in self.scoped]
+
+
+def scoped_keys(request_id: str, n: int) -> list[bytes]:
+    """``n`` fresh request-scoped block keys: random per call (a retried or repeated
+    request id never finds an older request's blocks), domain-separated from prefix keys."""
+    nonce = secrets.token_bytes(16)
+    return [
+        hashlib.blake2b(
+            f"{request_id}/{i}".encode(), digest_size=16, key=nonce, person=b"kvstore/handoff"
+        ).digest()
+        for i in range(n)
+    ]
+
+
+def greedy_continue(
+    model: Any, cache: Any, first: int, max_new_tokens: int, stop_ids: Collection[int] = ()
+) -> Iterator[int]:
+    """Greedy tokens from a cache that holds the whole prompt, ``first`` first.
+
+    One forward per token (the generator advances only when asked, so a server can
+    interleave requests between tokens). The prefill worker's own continuation and
+    the decode worker run exactly this, which is what makes them agree bit for bit.
+    """
+    tok = first
+    for i in range(max_new_tokens):
+        yield tok
+        if tok in stop_ids or i == max_new_tokens - 1:
+            return
+        with torch.inference_mode():
+            out = model(torch.tensor([[tok]]), past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        tok = int(out.logits[0, -1].argmax())
 
 
 def _as_ids(prompt: Sequence[int] | torch.Tensor) -> list[int]:
@@ -73,27 +143,81 @@ class PrefillWorker:
     def __init__(self, adapter: HFKVAdapter, store: BlockStore) -> None:
         self.adapter = adapter
         self.store = store
+        self.store_errors = 0  # store calls that failed (each one a miss, not a failure)
 
-    @torch.inference_mode()
     def prefill(self, request_id: str, prompt: Sequence[int] | torch.Tensor) -> Handoff:
         """Run one prompt; returns the handoff carrying the first generated token."""
+        return self.prefill_with_cache(request_id, prompt)[0]
+
+    @torch.inference_mode()
+    def prefill_with_cache(
+        self, request_id: str, prompt: Sequence[int] | torch.Tensor, *, handoff: bool = True
+    ) -> tuple[Handoff, Any]:
+        """Run one prompt; returns the handoff and this worker's own cache of it.
+
+        ``handoff=False`` skips the request-scoped blocks (the caller decodes here).
+        """
         ids = _as_ids(prompt)
         if not ids:
             raise ValueError("empty prompt")
+        ad = self.adapter
         st = PrefillStats(prompt_tokens=len(ids))
         t0, c0 = time.perf_counter(), time.process_time()
-        keys = self.adapter.keys(ids)
-        n, cache = self.adapter.load_prefix(self.store, keys, len(ids))
+        keys = ad.keys(ids)
+        try:
+            n, cache = ad.load_prefix(self.store, keys, len(ids))
+        except KVStoreError as exc:  # the store is down: a miss
+            self._failed("load prefix", exc)
+            n, cache = 0, None
         t1 = time.perf_counter()
-        start = n * self.adapter.block_tokens
-        out = self.adapter.model(torch.tensor([ids[start:]]), past_key_values=cache, use_cache=True)
+        start = n * ad.block_tokens
+        out = ad.model(torch.tensor([ids[start:]]), past_key_values=cache, use_cache=True)
         first = int(out.logits[0, -1].argmax())
+        cache = out.past_key_values
         t2 = time.perf_counter()
         st.ttft_s, st.cpu_s = t2 - t0, time.process_time() - c0
-        st.stored_blocks = self.adapter.store_blocks(self.store, keys, out.past_key_values, n)
+        shared, st.stored_blocks = self._store_new(keys, cache, n)
         st.cached_blocks, st.computed_tokens = n, len(ids) - start
+        h = Handoff(request_id, ids, first, st, shared_blocks=shared)
+        if handoff and shared * ad.block_tokens < len(ids):
+            h.scoped = self._put_scoped(request_id, cache, shared * ad.block_tokens, len(ids))
+            if not h.scoped:
+                h.shared_blocks = -1  # nothing exact to hand over: the decode side recomputes
         st.fetch_s, st.compute_s, st.store_s = t1 - t0, t2 - t1, time.perf_counter() - t2
-        return Handoff(request_id, ids, first, st)
+        return h, cache
+
+    def _store_new(self, keys: Sequence[bytes], cache: Any, n: int) -> tuple[int, int]:
+        """Write full blocks ``n..`` from ``cache``; returns (leading blocks whose stored
+        bytes are this cache's, blocks newly written)."""
+        shared, new, exact = n, 0, True
+        for j, block in enumerate(self.adapter.blocks_from_cache(cache, n, len(keys)), n):
+            try:
+                ok = self.store.put(keys[j], block, namespace=self.adapter.namespace)
+            except KVStoreError as exc:
+                self._failed("put", exc)
+                break
+            new += bool(ok)
+            exact = exact and bool(ok)  # False: another computation's copy is stored
+            if exact:
+                shared = j + 1
+        return shared, new
+
+    def _put_scoped(self, request_id: str, cache: Any, start: int, stop: int) -> list[str]:
+        """Write tokens ``start..stop-1`` as request-scoped blocks; [] if any write fails."""
+        blocks = self.adapter.span_blocks(cache, start, stop)
+        keys = scoped_keys(request_id, len(blocks))
+        for k, b in zip(keys, blocks, strict=True):
+            try:
+                if not self.store.put(k, b, namespace=self.adapter.namespace):
+                    return []
+            except KVStoreError as exc:
+                self._failed("put request-scoped block", exc)
+                return []
+        return [k.hex() for k in keys]
+
+    def _failed(self, what: str, exc: KVStoreError) -> None:
+        self.store_errors += 1
+        log.warning("prefill: store %s failed (%s); continuing without it", what, exc)
 
 
 class DecodeWorker:
@@ -104,28 +228,59 @@ class DecodeWorker:
         self.store = store
         self.last_loaded_blocks = 0
         self.first_token_mismatches = 0
+        self.tail_recomputed = 0  # handoffs whose exact KV could not be read
 
-    @torch.inference_mode()
     def decode(
-        self, handoff: Handoff, max_new_tokens: int, eos_token_id: int | None = None
+        self,
+        handoff: Handoff,
+        max_new_tokens: int,
+        eos_token_id: int | Collection[int] | None = None,
     ) -> Iterator[int]:
         """Yield greedy tokens, the handoff's first token first."""
-        ids = handoff.prompt
-        keys = self.adapter.keys(ids)
-        n, cache = self.adapter.load_prefix(self.store, keys, len(ids))
+        if eos_token_id is None:
+            stop: Collection[int] = ()
+        elif isinstance(eos_token_id, int):
+            stop = (eos_token_id,)
+        else:
+            stop = eos_token_id
+        cache = self._exact_cache(handoff)
+        if cache is None:
+            self.tail_recomputed += handoff.shared_blocks >= 0
+            cache = self._recomputed_cache(handoff)
+        return greedy_continue(self.adapter.model, cache, handoff.first_token, max_new_tokens, stop)
+
+    def _exact_cache(self, handoff: Handoff) -> Any:
+        """The prefill worker's cache rebuilt bit for bit, None if any block is missing."""
+        ad, ids = self.adapter, handoff.prompt
+        shared = handoff.shared_blocks
+        if shared < 0 or (shared * ad.block_tokens < len(ids) and not handoff.scoped):
+            return None
+        keys = list(ad.keys(ids)[:shared]) + handoff.scoped_keys()
+        buf = torch.empty((len(keys), *ad.block_shape), dtype=ad.dtype)
+        try:
+            for i, k in enumerate(keys):
+                if not self.store.get_into(k, buf[i], namespace=ad.namespace):
+                    return None
+        except KVStoreError as exc:
+            log.warning("decode: store read failed (%s); recomputing", exc)
+            return None
+        self.last_loaded_blocks = shared
+        return ad.cache_from_blocks(buf, tokens=len(ids))
+
+    @torch.inference_mode()
+    def _recomputed_cache(self, handoff: Handoff) -> Any:
+        """The stored prefix plus a forward over the rest (exact in fp32 only)."""
+        ad, ids = self.adapter, handoff.prompt
+        try:
+            n, cache = ad.load_prefix(self.store, ad.keys(ids), len(ids))
+        except KVStoreError as exc:
+            log.warning("decode: store read failed (%s); recomputing the prompt", exc)
+            n, cache = 0, None
         self.last_loaded_blocks = n
-        start = n * self.adapter.block_tokens
-        out = self.adapter.model(torch.tensor([ids[start:]]), past_key_values=cache, use_cache=True)
+        start = n * ad.block_tokens
+        out = ad.model(torch.tensor([ids[start:]]), past_key_values=cache, use_cache=True)
         if int(out.logits[0, -1].argmax()) != handoff.first_token:
             # Same weights and same KV give the same token; a difference means the
             # loaded KV is not what prefill computed. Counted, and prefill's token wins.
             self.first_token_mismatches += 1
-        tok = handoff.first_token
-        cache = out.past_key_values
-        for i in range(max_new_tokens):
-            yield tok
-            if tok == eos_token_id or i == max_new_tokens - 1:
-                return
-            out = self.adapter.model(torch.tensor([[tok]]), past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
-            tok = int(out.logits[0, -1].argmax())
+        return out.past_key_values
