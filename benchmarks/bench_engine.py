@@ -26,7 +26,7 @@ import torch
 from engine.hf import HFKVAdapter
 from engine.models import load_smollm2
 from engine.workers import PrefillWorker
-from kvstore.node import StoreNode
+from kvstore.node.store import StoreNode
 
 PROMPT, CACHED, B = 2048, 1536, 16
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from kvstore.keys import Namespace, prefix_keys
-from kvstore.node import StoreNode
+from kvstore.node.store import StoreNode
 
 
 def _median_rate(fn: Callable[[], None], nbytes: int, runs: int) -> float:

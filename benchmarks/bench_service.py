@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from kvstore import StoreClient
-from kvstore.tiers.memory import map_segment
+from kvstore.shm.segment import map_segment
 
 MiB = 1 << 20
 BLOCKS = 16  # distinct blocks cycled through (16-64 MiB: more than the caches hold)
@@ -353,7 +353,7 @@ def measure_control(server: dict[str, Any], runs: int, calls: int = 2000) -> dic
 
     from kvstore._proto import store_pb2 as pb
     from kvstore._proto import store_pb2_grpc as pb_grpc
-    from kvstore.auth import bearer_metadata
+    from kvstore.wire.auth import bearer_metadata
 
     address = f"127.0.0.1:{server['port']}"
     keys = [i.to_bytes(16, "little") for i in range(64)]

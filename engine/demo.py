@@ -27,7 +27,7 @@ from engine.hf import HFKVAdapter
 from engine.models import load_smollm2, tiny_llama
 from engine.workers import DecodeWorker, PrefillWorker
 from kvstore.config import NodeConfig, parse_size
-from kvstore.node import StoreNode
+from kvstore.node.store import StoreNode
 
 __all__ = ["DemoResult", "run_demo"]
 

@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from kvstore.fmt import fmt_bytes, fmt_seconds
+from kvstore.cli.fmt import fmt_bytes, fmt_seconds
 
 __all__ = ["add_parser"]
 

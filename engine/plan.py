@@ -39,7 +39,7 @@ from engine.scheduler import DEFAULT_COST, SCHEDULERS, CostModel, PrefillModel
 from engine.sim import SimConfig, SimResult, prefix_reuse_bound, replay
 from engine.trace import BLOCK_TOKENS, TraceRequest, load_trace
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.policy import POLICIES
+from kvstore.tiers.policy import POLICIES
 
 __all__ = ["add_parser", "parse_capacity", "run", "sweep_capacities"]
 

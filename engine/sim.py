@@ -10,7 +10,7 @@ Model (each choice made to match how the store behaves, and written down here):
 
 * Caches hold whole blocks; capacity is counted in blocks. Each node has a DRAM
   tier and an optional SSD tier, each ordered by a real policy from
-  :mod:`kvstore.policy`. DRAM evictions demote to SSD; SSD evictions drop; an SSD
+  :mod:`kvstore.tiers.policy`. DRAM evictions demote to SSD; SSD evictions drop; an SSD
   block a request touches is promoted back to DRAM. ``pooled`` replaces the
   per-node caches with one cache of the summed capacity shared by all nodes, which
   remembers the node that wrote each block so a pull is local or remote.
@@ -51,7 +51,7 @@ from engine.scheduler import (
 )
 from engine.trace import BLOCK_TOKENS, TraceRequest
 from kvstore.errors import ConfigError
-from kvstore.policy import EvictionPolicy, make_policy
+from kvstore.tiers.policy import EvictionPolicy, make_policy
 
 __all__ = [
     "SimConfig",

@@ -21,7 +21,7 @@ from typing import Any, Protocol, TypeVar
 
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.keys import Namespace
-from kvstore.node import StoreNode
+from kvstore.node.store import StoreNode
 
 __all__ = [
     "BlockStore",

@@ -8,8 +8,8 @@ The public surface (stable once landed): :class:`Namespace`, :func:`prefix_keys`
 from kvstore.client import AsyncStoreClient, StoreClient
 from kvstore.errors import KVStoreError
 from kvstore.keys import BlockKey, Namespace, prefix_keys
-from kvstore.node import StoreNode
-from kvstore.tiers.base import TierKind
+from kvstore.node.store import StoreNode
+from kvstore.tiering import TierKind
 
 __all__ = [
     "AsyncStoreClient",

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvstore.errors import ConfigError
-from kvstore.policy import POLICIES
 
 __all__ = [
+    "POLICY_NAMES",
     "ENV_PREFIX",
     "ClientConfig",
     "ClusterConfig",
@@ -30,6 +30,8 @@ __all__ = [
 ]
 
 ENV_PREFIX = "KVSTORE_"
+# Eviction policies by name; kvstore/tiers/policy.py registers one class for each.
+POLICY_NAMES = ("lru", "fifo", "s3fifo")
 
 _UNITS = {
     "": 1,
@@ -85,7 +87,7 @@ class NodeConfig:
         hbm_bytes: size of the HBM slab; 0 disables it (and it needs CUDA).
         ssd_path: directory of the SSD tier; empty disables it.
         ssd_bytes: capacity of the SSD tier.
-        policy: eviction policy name for every tier (see kvstore.policy).
+        policy: eviction policy name for every tier (see kvstore.tiers.policy).
         max_value_bytes: the largest single block accepted.
         warm: touch every page of the memory tiers at start.
         shm_name: name of the DRAM segment under /dev/shm (default: derived from the pid).
@@ -108,8 +110,8 @@ class NodeConfig:
             raise ConfigError(f"node_id {self.node_id!r}: use 1-64 of [A-Za-z0-9._-]")
         if self.dram_bytes <= 0 and self.hbm_bytes <= 0:
             raise ConfigError("dram_bytes: a node needs a DRAM (or HBM) tier of > 0 bytes")
-        if self.policy.lower() not in POLICIES:
-            raise ConfigError(f"policy {self.policy!r}: choose one of {', '.join(POLICIES)}")
+        if self.policy.lower() not in POLICY_NAMES:
+            raise ConfigError(f"policy {self.policy!r}: choose one of {', '.join(POLICY_NAMES)}")
         if self.ssd_path and self.ssd_bytes <= 0:
             raise ConfigError("ssd_bytes: must be > 0 when ssd_path is set")
         if self.max_value_bytes <= 0:
@@ -120,17 +122,7 @@ class NodeConfig:
     @classmethod
     def load(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> NodeConfig:
         """Defaults, then ``KVSTORE_<FIELD>`` variables, then explicit overrides."""
-        env = os.environ if env is None else env
-        raw: dict[str, Any] = {}
-        for f in fields(cls):
-            v = env.get(ENV_PREFIX + f.name.upper())
-            if v is not None:
-                raw[f.name] = v
-        raw.update({k: v for k, v in overrides.items() if v is not None})
-        unknown = set(raw) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ConfigError(f"unknown setting(s): {', '.join(sorted(unknown))}")
-        return cls(**{k: _coerce(cls, k, v) for k, v in raw.items()})
+        return load_layered(cls, env=env, flags=overrides)
 
     def replace(self, **changes: Any) -> NodeConfig:
         """A copy with some fields changed (validated again)."""
@@ -176,7 +168,7 @@ class ServerConfig:
             closes and its reservation is aborted).
         data_poll_us: after each reply on the data socket, poll up to this long for the
             same client's next request instead of sleeping (0: off). Only while that
-            client has the server to itself: see kvstore/transport/busypoll.py.
+            client has the server to itself: see kvstore/wire/polling.py.
         workers: threads running blocking node calls for gRPC handlers.
         max_connections: concurrent data sockets.
         etcd: ``host:port`` of the cluster directory; empty runs the node standalone.
@@ -281,9 +273,10 @@ class ClientConfig:
             MiB). Off by default: the lease deadline already proves the copy was pinned
             (and checksums are used anyway when the server's clock is not this one).
         shm_direct: same-host reads of DRAM blocks find them in the server's published
-            index and copy without a lease round trip (kvstore/tiers/shm_index.py);
+            index and copy without a lease round trip (kvstore/shm/index.py);
             off: every shm read takes a lease first.
-        max_message_bytes: largest gRPC message this client accepts.
+        max_reply_bytes: largest gRPC message and data-frame metadata this client accepts
+            (``KVSTORE_MAX_REPLY_BYTES``; the server's own limit is max_message_bytes).
         reply_poll_us: after sending a data-socket request, poll this long for the
             reply before sleeping on the socket (0: off). A DRAM hit's reply starts
             40-60 us after the request; a sleeping thread then costs as much again to
@@ -303,7 +296,7 @@ class ClientConfig:
     pool_size: int = 8
     verify_shm: bool = False
     shm_direct: bool = True
-    max_message_bytes: int = 64 * 1024**2
+    max_reply_bytes: int = 64 * 1024**2
     reply_poll_us: int = 200
 
     def __post_init__(self) -> None:
@@ -313,7 +306,7 @@ class ClientConfig:
             raise ConfigError(f"tls_ca: no such file {self.tls_ca!r}")
         if self.retries < 0:
             raise ConfigError("retries: must be >= 0")
-        _positive(self, "timeout_s", "connect_timeout_s", "pool_size", "max_message_bytes")
+        _positive(self, "timeout_s", "connect_timeout_s", "pool_size", "max_reply_bytes")
         if self.backoff_s < 0:
             raise ConfigError("backoff_s: must be >= 0")
         if not 0 <= self.reply_poll_us <= 10_000:

@@ -12,7 +12,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
-from kvstore.tiers.base import TierKind
+from kvstore.tiering import TierKind
 
 __all__ = ["BlockEvent", "BlockMoved", "BlockRemoved", "BlockStored", "EventQueue"]
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore import StoreClient
-from kvstore.tiers.shm_index import index_name
+from kvstore.shm.index import index_name
 
 __all__ = [
     "ADMIN",
@@ -186,7 +186,7 @@ def make_tls_cert(directory: Path) -> tuple[Path, Path]:
 
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvstore-test")])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder()
         .subject_name(name)

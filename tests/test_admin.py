@@ -23,15 +23,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore import Namespace, StoreClient
 from kvstore._proto import store_pb2 as pb
-from kvstore.admin import parse_duration, parse_target
-from kvstore.admin_client import AdminClient
-from kvstore.auth import Principal
 from kvstore.blocks import HEADER_SIZE, checksum, describe
 from kvstore.cli import main
+from kvstore.cli.admin import parse_duration, parse_target
+from kvstore.client.admin import AdminClient
+from kvstore.client.transport.conn import DataConn
 from kvstore.errors import ConfigError, PermissionDenied
-from kvstore.transport.codec import meta_of, scope_of
-from kvstore.transport.conn import DataConn
-from kvstore.transport.frames import Op
+from kvstore.tenants import Principal
+from kvstore.wire.codec import meta_of, scope_of
+from kvstore.wire.frames import Op
 from tests.background import Background
 from tests.server_process import ADMIN, ALPHA, BRAVO, ServerProcess, Token, base_flags
 

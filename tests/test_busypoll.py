@@ -1,4 +1,4 @@
-"""Polling for a client's next request (kvstore/transport/busypoll.py).
+"""Polling for a client's next request (kvstore/wire/polling.py).
 
 Polling must never lose or reorder a byte of the stream. It must end when its window
 passes, when the peer closes, and when another connection's request is handled. It
@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 
 from kvstore._proto import store_pb2 as pb
+from kvstore.client.transport.conn import DataConn
 from kvstore.config import ClientConfig, ServerConfig
 from kvstore.errors import ConfigError
-from kvstore.stats import NodeCounters
-from kvstore.transport.busypoll import PRESENCE, IdlePoller, Presence
-from kvstore.transport.conn import DataConn
-from kvstore.transport.frames import REPLY, FrameSocket, Op, frame
+from kvstore.observe.counters import NodeCounters
+from kvstore.wire.frames import REPLY, FrameSocket, Op, frame
+from kvstore.wire.polling import PRESENCE, IdlePoller, Presence
 from tests.server_process import ALPHA
 
 if TYPE_CHECKING:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvstore import AsyncStoreClient, StoreClient
+from kvstore.client.admin import AdminClient
 from kvstore.errors import (
     AuthError,
     ClosedError,
@@ -122,7 +123,7 @@ def test_restart_while_connected_serves_ssd_blocks_again(server_factory, sig: in
     try:
         assert clients[0].batch_put(keys, blocks) == [True] * 4
         with server.client(ADMIN) as admin:
-            admin.evict("dram", 0)  # push everything down to the SSD tier
+            AdminClient(admin).evict("dram", 0)  # push everything down to the SSD tier
         assert clients[1].stats()["tiers"]["ssd"]["blocks"] >= 4
         old_segment = server.facts["shm_name"]
 

@@ -27,14 +27,15 @@ import numpy as np
 import pytest
 
 from kvstore import AsyncStoreClient, StoreClient
-from kvstore.auth import Principal
 from kvstore.cli import main
-from kvstore.cluster_client import ClusterClient
+from kvstore.client.admin import AdminClient
+from kvstore.client.cluster import ClusterClient
 from kvstore.directory import NodeInfo
 from kvstore.directory.background import BackgroundDirectory
 from kvstore.directory.etcd_process import EtcdProcess, free_port
 from kvstore.events import BlockStored
-from kvstore.tiers.base import TierKind
+from kvstore.tenants import Principal
+from kvstore.tiering import TierKind
 from tests.server_process import ADMIN, ALPHA, ServerProcess, base_flags
 
 pytest_plugins = ["tests.etcd_fixtures"]
@@ -201,7 +202,7 @@ def test_gets_prefer_the_faster_tier(pair: Cluster) -> None:
         cb.put(key, value_for(key))
         wait_until(lambda: len(replicas(ca, key)) == 2, 5, "both replicas in the mirror")
     with pair.servers["a"].client(ADMIN) as admin:
-        admin.evict("dram", 0)  # a's copy goes to SSD; b's stays in DRAM
+        AdminClient(admin).evict("dram", 0)  # a's copy goes to SSD; b's stays in DRAM
     with pair.client() as c:
         want = {"a": TierKind.SSD, "b": TierKind.DRAM}
         wait_until(lambda: replicas(c, key) == want, 5, "demotion reaches the mirror")

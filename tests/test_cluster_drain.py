@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 from kvstore import Namespace
-from kvstore.admin_client import AdminClient
-from kvstore.auth import Principal
 from kvstore.cli import main
-from kvstore.cluster_client import ClusterClient
+from kvstore.client.admin import AdminClient
+from kvstore.client.cluster import ClusterClient
 from kvstore.directory.etcd_process import EtcdProcess
-from kvstore.tiers.base import TierKind
+from kvstore.tenants import Principal
+from kvstore.tiering import TierKind
 from tests.background import Background
 from tests.server_process import ADMIN, ALPHA, BRAVO, ServerProcess
 from tests.test_cluster import Cluster, cli_json, replicas, start_nodes, value_for, wait_until

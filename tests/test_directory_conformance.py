@@ -29,8 +29,8 @@ from kvstore.errors import (
     NotFound,
 )
 from kvstore.events import BlockMoved, BlockRemoved, BlockStored
-from kvstore.node import StoreNode
-from kvstore.tiers.base import TierKind
+from kvstore.node.store import StoreNode
+from kvstore.tiering import TierKind
 
 pytest_plugins = ["tests.etcd_fixtures"]
 

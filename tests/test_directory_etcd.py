@@ -23,7 +23,7 @@ from kvstore.directory import Mirror, NodeInfo, Replica
 from kvstore.directory.etcd_process import EtcdProcess
 from kvstore.errors import ConflictError, DirectoryError, KVStoreError
 from kvstore.events import BlockRemoved, BlockStored
-from kvstore.tiers.base import TierKind
+from kvstore.tiering import TierKind
 
 pytest_plugins = ["tests.etcd_fixtures"]
 pytest.importorskip("aetcd")
@@ -40,7 +40,7 @@ import asyncio, sys
 from kvstore.directory import NodeInfo
 from kvstore.directory.etcd import EtcdDirectory
 from kvstore.events import BlockStored
-from kvstore.tiers.base import TierKind
+from kvstore.tiering import TierKind
 
 async def main():
     d = EtcdDirectory(sys.argv[1], sys.argv[2])

@@ -26,8 +26,8 @@ from kvstore.errors import (
     InvalidValue,
     NotFound,
 )
+from kvstore.tiering import TierKind
 from kvstore.tiers import slab
-from kvstore.tiers.base import TierKind
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.slab import PAGE, extent_len
 

@@ -14,16 +14,16 @@ from typing import Any, TypeVar
 
 import pytest
 
-from kvstore.auth import Principal
-from kvstore.cluster_members import Members
+from kvstore.client.members import Members
 from kvstore.config import ClientConfig, NodeConfig, ServerConfig
 from kvstore.directory import MemoryBackend, MemoryDirectory, Mirror, NodeInfo
 from kvstore.directory.mirror import PUT_NODE
 from kvstore.errors import PermissionDenied, Unavailable
-from kvstore.gateway import Gateway
-from kvstore.membership import Membership, node_record
-from kvstore.node import StoreNode
-from kvstore.stats import NodeCounters
+from kvstore.node.store import StoreNode
+from kvstore.observe.counters import NodeCounters
+from kvstore.server.gateway import Gateway
+from kvstore.server.membership import Membership, node_record
+from kvstore.tenants import Principal
 
 T = TypeVar("T")
 ADMIN = Principal("ops", admin=True)

@@ -15,8 +15,8 @@ import torch
 
 from engine.hf import HFKVAdapter
 from engine.workers import DecodeWorker, PrefillWorker
-from kvstore.node import StoreNode
-from kvstore.tiers.base import TierKind
+from kvstore.node.store import StoreNode
+from kvstore.tiering import TierKind
 from tests.faults import flip_stored_bytes
 from tests.models import reference_tokens, tiny_llama
 

@@ -22,10 +22,10 @@ from kvstore.config import NodeConfig, ServerConfig, load_layered
 from kvstore.directory import MemoryBackend, MemoryDirectory
 from kvstore.directory.etcd_process import free_port
 from kvstore.errors import ConfigError, ConflictError
-from kvstore.membership import Membership, advertised_host, node_record
-from kvstore.node import StoreNode
-from kvstore.server import StoreServer
-from kvstore.tiers.base import TierKind
+from kvstore.node.store import StoreNode
+from kvstore.server.membership import Membership, advertised_host, node_record
+from kvstore.server.serve import StoreServer
+from kvstore.tiering import TierKind
 
 T = TypeVar("T")
 

@@ -26,10 +26,10 @@ from kvstore.blocks import HEADER_SIZE, describe
 from kvstore.config import NodeConfig, ServerConfig, parse_size
 from kvstore.errors import ClosedError, ConfigError, CorruptBlock
 from kvstore.keys import Namespace
-from kvstore.metrics import MetricsServer, node_registry
-from kvstore.node import StoreNode
-from kvstore.stats import LATENCY_BUCKETS, NodeCounters, split_key
-from kvstore.tiers.base import TierKind
+from kvstore.node.store import StoreNode
+from kvstore.observe.counters import LATENCY_BUCKETS, NodeCounters, split_key
+from kvstore.observe.prometheus import MetricsServer, node_registry
+from kvstore.tiering import TierKind
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 BLOCK = 65536  # header + payload, a multiple of the 256-byte extent alignment
@@ -113,7 +113,7 @@ def exercise(node: StoreNode, gw: NodeCounters) -> None:
     assert node.get(_key(3), namespace=NS_B) is None  # namespace mismatch: a miss
     assert node.get_into(_key(2), np.empty(PAYLOAD, dtype=np.uint8))  # DRAM hit
     assert node.evict(TierKind.SSD, 0) == 1  # k1 leaves the node
-    # What the service reports (kvstore/metrics_names.py has the contract).
+    # What the service reports (kvstore/observe/names.py has the contract).
     gw.inc("bytes_out_shm", 4096)
     gw.inc("bytes_out_shm", 1000, tenant="acme")
     gw.inc("bytes_in_tcp", 512)

@@ -1,4 +1,4 @@
-"""The namespace registry (kvstore/namespaces.py): fingerprint -> (tenant, model), kept
+"""The namespace registry (kvstore/server/namespaces.py): fingerprint -> (tenant, model), kept
 in a JSON-lines file beside the SSD tier; a torn or corrupt line is skipped, never fatal.
 
 Process-level checks (a restart, a drain between two nodes) are in tests/test_admin.py
@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 
 from kvstore import Namespace
-from kvstore.auth import Principal
 from kvstore.blocks import checksum, describe
 from kvstore.config import NodeConfig, ServerConfig
 from kvstore.errors import InvalidValue, StorageError
-from kvstore.gateway import Gateway
-from kvstore.maintenance import ImportItem, Maintenance, ScanSpec
-from kvstore.namespaces import FILE_NAME, NamespaceRegistry
-from kvstore.node import StoreNode
+from kvstore.node.store import StoreNode
+from kvstore.server.gateway import Gateway
+from kvstore.server.maintenance import ImportItem, Maintenance, ScanSpec
+from kvstore.server.namespaces import FILE_NAME, NamespaceRegistry
+from kvstore.tenants import Principal
 
 LAYOUT = "uint8:L1:H1:D1"
 ADMIN = Principal("ops", admin=True)
@@ -82,7 +82,7 @@ def test_a_truncated_last_line_is_skipped_and_later_appends_stay_whole(
     whole = path.read_bytes()
     torn = json.dumps({"fp": fp(3).hex(), "tenant": "carol", "model": "m3"}).encode()
     path.write_bytes(whole + torn[: len(torn) // 2])  # a crash in the middle of an append
-    with caplog.at_level(logging.WARNING, logger="kvstore.namespaces"):
+    with caplog.at_level(logging.WARNING, logger="kvstore.server.namespaces"):
         reg = NamespaceRegistry.open(tmp_path)
     assert "skipped 1 unreadable line" in caplog.text
     assert reg.select() == {fp(1), fp(2)}
@@ -113,7 +113,7 @@ def test_corrupt_lines_anywhere_are_skipped(
     body = [json.dumps(good[0]).encode(), *bad[:5], json.dumps(good[1]).encode(), *bad[5:]]
     body.append(json.dumps(good[2]).encode())
     (tmp_path / FILE_NAME).write_bytes(b"\n".join(body) + b"\n")
-    with caplog.at_level(logging.WARNING, logger="kvstore.namespaces"):
+    with caplog.at_level(logging.WARNING, logger="kvstore.server.namespaces"):
         reg = NamespaceRegistry.open(tmp_path)
     assert f"skipped {len(bad)} unreadable line" in caplog.text
     assert reg.select("alpha") == {fp(0), fp(1), fp(2)} and len(reg) == 3
@@ -124,7 +124,7 @@ def test_corrupt_lines_anywhere_are_skipped(
 def test_a_failed_append_keeps_the_entry_in_memory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import kvstore.namespaces as mod
+    import kvstore.server.namespaces as mod
 
     reg = NamespaceRegistry.open(tmp_path)
     reg.add(fp(1), "alpha", "m1")
@@ -133,7 +133,7 @@ def test_a_failed_append_keeps_the_entry_in_memory(
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(mod, "_write_all", full)
-    with caplog.at_level(logging.WARNING, logger="kvstore.namespaces"):
+    with caplog.at_level(logging.WARNING, logger="kvstore.server.namespaces"):
         assert reg.add(fp(2), "alpha", "m2")  # the request that saw it does not fail
     assert "No space left" in caplog.text
     monkeypatch.undo()
@@ -147,7 +147,7 @@ def test_past_max_persisted_new_entries_stay_in_memory(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     reg = NamespaceRegistry(tmp_path / FILE_NAME, max_persisted=2)
-    with caplog.at_level(logging.WARNING, logger="kvstore.namespaces"):
+    with caplog.at_level(logging.WARNING, logger="kvstore.server.namespaces"):
         for i in range(4):
             assert reg.add(fp(i), "alpha", f"m{i}")
     assert len(reg) == 4 and len(lines(tmp_path)) == 2

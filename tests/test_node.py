@@ -12,8 +12,8 @@ import torch
 from kvstore.errors import BlockTooLarge, CapacityError, InvalidKey, LayoutMismatch
 from kvstore.events import BlockMoved, BlockRemoved, BlockStored
 from kvstore.keys import Namespace, prefix_keys
-from kvstore.node import StoreNode
-from kvstore.tiers.base import TierKind
+from kvstore.node.store import StoreNode
+from kvstore.tiering import TierKind
 from tests.faults import flip_stored_bytes
 
 NS = Namespace("tiny", "fp32:L2:H2:D16:B16", "t")
@@ -264,7 +264,7 @@ def test_evict_to_target(node: StoreNode) -> None:
 
 
 def test_evict_where_plans_filters_and_skips_pins(node: StoreNode) -> None:
-    from kvstore.selection import BlockFilter
+    from kvstore.node.eviction import BlockFilter
 
     keys = _keys(10)
     other = NS.with_tenant("u")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvstore.errors import ConfigError
-from kvstore.policy import POLICIES, make_policy
+from kvstore.tiers.policy import POLICIES, make_policy
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
@@ -96,3 +96,9 @@ def test_unknown_policy() -> None:
         make_policy("mru", 10)
     with pytest.raises(ConfigError):
         make_policy("lru", 0)
+
+
+def test_config_names_every_registered_policy() -> None:
+    from kvstore.config import POLICY_NAMES
+
+    assert sorted(POLICY_NAMES) == sorted(POLICIES)

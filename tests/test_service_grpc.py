@@ -9,12 +9,12 @@ import xxhash
 
 from kvstore._proto import store_pb2 as pb
 from kvstore._proto import store_pb2_grpc as pb_grpc
-from kvstore.auth import bearer_metadata
 from kvstore.blocks import BlockHeader
 from kvstore.cli import main
+from kvstore.client.transport.shm import Segment
 from kvstore.errors import BlockTooLarge, LimitExceeded
-from kvstore.transport.grpc_errors import error_from_rpc
-from kvstore.transport.shm import Segment
+from kvstore.wire.auth import bearer_metadata
+from kvstore.wire.grpc_errors import error_from_rpc
 from tests.server_process import ALPHA, ServerProcess
 
 pytest_plugins = ["tests.server_fixtures"]
@@ -150,7 +150,7 @@ def _raw_put(client, key: bytes, n: int) -> pb.PutResponse:
     """A PUT frame that skips the client's own size check."""
     import time
 
-    from kvstore.transport.frames import Op
+    from kvstore.wire.frames import Op
 
     payload = np.zeros(n, dtype=np.uint8)
     req = pb.PutRequest(
@@ -198,7 +198,7 @@ def test_serve_config_file(tmp_path, capsys) -> None:
 
 
 def test_serve_settings_layer_file_env_flags(tmp_path) -> None:
-    from kvstore.server import load_configs
+    from kvstore.server.serve import load_configs
 
     cfg = tmp_path / "kvstore.toml"
     cfg.write_text(

@@ -11,9 +11,10 @@ import torch
 from kvstore import Namespace, StoreClient, prefix_keys
 from kvstore._proto import store_pb2 as pb
 from kvstore._proto import store_pb2_grpc as pb_grpc
-from kvstore.auth import bearer_metadata
+from kvstore.client.admin import AdminClient
 from kvstore.errors import AuthError, KVStoreError, PermissionDenied, TransportError, Unavailable
-from kvstore.transport.frames import PROTOCOL, FrameSocket, Op
+from kvstore.wire.auth import bearer_metadata
+from kvstore.wire.frames import PROTOCOL, FrameSocket, Op
 from tests.server_process import ADMIN, ALPHA, BRAVO, ServerProcess, make_tls_cert
 
 pytest_plugins = ["tests.server_fixtures"]
@@ -144,7 +145,7 @@ def _inline_put(key: bytes, payload: bytes) -> pb.PutRequest:
 def test_admin_operations_need_an_admin_token(store_server: ServerProcess) -> None:
     with store_server.client(ALPHA) as c:
         with pytest.raises(PermissionDenied):
-            c.evict("dram", 0)
+            AdminClient(c).evict("dram", 0)
         with pytest.raises(PermissionDenied):
             c.drain(True)
     with store_server.client(ADMIN) as admin, store_server.client(ALPHA) as c:

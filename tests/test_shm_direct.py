@@ -1,5 +1,5 @@
-"""Same-host reads through the published DRAM index (kvstore/tiers/shm_index.py,
-kvstore/transport/shm_direct.py): the index follows every move of a block, a reader
+"""Same-host reads through the published DRAM index (kvstore/shm/index.py,
+kvstore/client/transport/shm_direct.py): the index follows every move of a block, a reader
 racing a writer never returns wrong bytes, and a real server counts direct reads."""
 
 from __future__ import annotations
@@ -12,19 +12,19 @@ import numpy as np
 import pytest
 
 from kvstore import StoreClient
-from kvstore.auth import Principal
-from kvstore.node import StoreNode
-from kvstore.stats import NodeCounters
-from kvstore.tiers.base import TierKind
-from kvstore.tiers.memory import map_segment
-from kvstore.tiers.shm_index import WAYS, IndexReader, IndexWriter, buckets_for
-from kvstore.transport.shm_direct import FALLBACK, DirectReader
+from kvstore.client.transport.shm_direct import FALLBACK, DirectReader
+from kvstore.node.store import StoreNode
+from kvstore.observe.counters import NodeCounters
+from kvstore.shm.index import WAYS, IndexReader, IndexWriter, buckets_for
+from kvstore.shm.segment import map_segment
+from kvstore.tenants import Principal
+from kvstore.tiering import TierKind
 from tests.server_process import ALPHA, BRAVO, ServerProcess
 
 KiB = 1024
 pytest_plugins = ["tests.server_fixtures"]
 pytestmark = pytest.mark.skipif(
-    not __import__("kvstore.tiers.shm_index", fromlist=["x"]).reader_supported(),
+    not __import__("kvstore.shm.index", fromlist=["x"]).reader_supported(),
     reason="direct reads need x86-64 memory ordering",
 )
 
@@ -258,8 +258,8 @@ def test_a_lost_touch_report_does_not_fail_the_read() -> None:
     """The reads a TOUCH reports are done; a socket that breaks while reporting them
     marks the connection broken (the pool drops it) and the call still succeeds."""
     from kvstore._proto import store_pb2 as pb
+    from kvstore.client.transport.conn import DataConn
     from kvstore.errors import TransportError
-    from kvstore.transport.conn import DataConn
 
     class BrokenSocket:
         broken = False
@@ -296,8 +296,8 @@ def test_an_oversized_touch_is_dropped_without_a_reply(store_server: ServerProce
     """TOUCH has no reply: one the server refuses must not put an ERROR frame where the
     client expects the answer to its next request."""
     from kvstore._proto import store_pb2 as pb
-    from kvstore.transport.conn import DataConn
-    from kvstore.transport.frames import Op, frame
+    from kvstore.client.transport.conn import DataConn
+    from kvstore.wire.frames import Op, frame
 
     conn = DataConn.open(
         ("127.0.0.1", store_server.data_port), ALPHA.token, deadline=time.monotonic() + 5

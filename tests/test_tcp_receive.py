@@ -21,12 +21,12 @@ import xxhash
 
 from kvstore._proto import store_pb2 as pb
 from kvstore.blocks import KIND_BYTES, KIND_NUMPY, KIND_TORCH, BlockHeader, checksum_stream
+from kvstore.client.transport.buffers import LandingPool, fresh_landing
+from kvstore.client.transport.conn import DataConn
+from kvstore.client.transport.tcp import TcpTransport
 from kvstore.errors import TimeoutError_, TransportError
-from kvstore.stats import NodeCounters
-from kvstore.transport.buffers import LandingPool, fresh_landing
-from kvstore.transport.conn import DataConn
-from kvstore.transport.frames import HEADER, MAGIC, REPLY, FrameSocket, Op
-from kvstore.transport.tcp import TcpTransport
+from kvstore.observe.counters import NodeCounters
+from kvstore.wire.frames import HEADER, MAGIC, REPLY, FrameSocket, Op
 
 MiB = 1 << 20
 KEY = bytes(range(16))

@@ -24,11 +24,11 @@ import xxhash
 
 from kvstore._proto import store_pb2 as pb
 from kvstore.blocks import HEADER_SIZE, BlockHeader
+from kvstore.client.transport.conn import DataConn
+from kvstore.client.transport.shm import Segment, ShmTransport
 from kvstore.errors import KVStoreError
-from kvstore.stats import NodeCounters
-from kvstore.transport.conn import DataConn
-from kvstore.transport.frames import HEADER, MAGIC, PROTOCOL, REPLY, FrameSocket, Op
-from kvstore.transport.shm import Segment, ShmTransport
+from kvstore.observe.counters import NodeCounters
+from kvstore.wire.frames import HEADER, MAGIC, PROTOCOL, REPLY, FrameSocket, Op
 from tests.server_process import ALPHA, ServerProcess
 
 pytest_plugins = ["tests.server_fixtures"]

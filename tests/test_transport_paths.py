@@ -18,6 +18,7 @@ import torch
 
 from kvstore import Namespace, StoreClient, prefix_keys
 from kvstore._proto import store_pb2 as pb
+from kvstore.client.admin import AdminClient
 from kvstore.errors import InvalidValue, LayoutMismatch
 from tests.server_process import ADMIN, ALPHA, ServerProcess
 
@@ -152,7 +153,7 @@ def test_ssd_blocks_are_served_on_both_paths(store_server: ServerProcess) -> Non
     with store_server.client(ALPHA, transport="tcp") as c:
         c.batch_put(keys, blocks)
         with store_server.client(ADMIN) as admin:
-            admin.evict("dram", 0)  # everything down to SSD
+            AdminClient(admin).evict("dram", 0)  # everything down to SSD
         assert c.stats()["tiers"]["dram"]["blocks"] == 0
         got = c.batch_get(keys)
         assert all(torch.equal(g, b) for g, b in zip(got, blocks, strict=True))

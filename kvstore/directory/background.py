@@ -1,8 +1,8 @@
 """A Directory run on a private event loop thread, for synchronous callers.
 
 A :class:`~kvstore.directory.base.Directory` is asyncio and bound to the loop that
-opened it, while :class:`~kvstore.client.StoreClient` and its cluster sibling are
-blocking (see kvstore/client.py for why). This helper gives such a caller the
+opened it, while :class:`~kvstore.client.store.StoreClient` and its cluster sibling are
+blocking (see kvstore/client/store.py for why). This helper gives such a caller the
 directory's watch-fed :class:`Mirror`, which is thread-safe to read, while the watch
 itself keeps running on a loop nobody else has to drive.
 

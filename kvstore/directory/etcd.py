@@ -55,7 +55,7 @@ from kvstore.errors import (
     TimeoutError_,
     Unavailable,
 )
-from kvstore.tiers.base import TierKind
+from kvstore.tiering import TierKind
 
 __all__ = ["EtcdDirectory", "block_key", "cluster_prefix", "node_key"]
 
@@ -134,7 +134,7 @@ def _etcd_errors(what: str) -> Iterator[None]:
         yield
     except KVStoreError:
         raise
-    except (aetcd.exceptions.ClientError, grpc.RpcError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aetcd.exceptions.ClientError, grpc.RpcError) as exc:
         raise _translate(exc, what) from exc
 
 
@@ -406,7 +406,7 @@ class _WatchFeed:
     async def ready(self, timeout: float) -> None:
         try:
             await asyncio.wait_for(self._synced.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise Unavailable("directory mirror could not load a first listing") from None
 
     async def stop(self) -> None:

@@ -25,8 +25,8 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvstore.directory.base import NodeInfo, Replica
-from kvstore.tiers.base import TierKind
+from kvstore.directory.records import NodeInfo, Replica
+from kvstore.tiering import TierKind
 
 __all__ = ["DEL_BLOCK", "DEL_NODE", "PUT_BLOCK", "PUT_NODE", "Mirror", "MirrorSnapshot", "Op"]
 
@@ -262,7 +262,7 @@ class Mirror:
         try:
             await asyncio.wait_for(fut, timeout)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             with self._lock:
                 self._waiters = [w for w in self._waiters if w[2] is not fut]
             return self._revision >= revision

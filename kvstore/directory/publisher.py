@@ -21,7 +21,7 @@ from typing import Protocol
 from kvstore.directory.base import BlockSnapshot, Directory
 from kvstore.errors import ConflictError, KVStoreError, NotFound
 from kvstore.events import BlockEvent, EventQueue
-from kvstore.tiers.base import TierKind
+from kvstore.tiering import TierKind
 
 __all__ = ["EventSource", "Publisher"]
 

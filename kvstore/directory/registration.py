@@ -48,7 +48,7 @@ from kvstore.errors import (
     NotFound,
 )
 from kvstore.events import BlockEvent, BlockMoved, BlockRemoved, BlockStored
-from kvstore.tiers.base import TierKind
+from kvstore.tiering import TierKind
 
 __all__ = ["LeasedDirectory", "Value", "WriteOp"]
 

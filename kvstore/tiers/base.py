@@ -8,25 +8,10 @@ the cluster (the directory). Sizes are in bytes of header plus payload.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from enum import Enum
 
-__all__ = ["Tier", "TierKind"]
+from kvstore.tiering import TierKind
 
-
-class TierKind(str, Enum):
-    """Where bytes live, fastest first. The order is the nearest-replica order."""
-
-    HBM = "hbm"
-    DRAM = "dram"
-    SSD = "ssd"
-
-    @property
-    def rank(self) -> int:
-        """0 for the fastest tier; used to prefer replicas."""
-        return _RANK[self]
-
-
-_RANK = {TierKind.HBM: 0, TierKind.DRAM: 1, TierKind.SSD: 2}
+__all__ = ["Tier", "TierKind"]  # TierKind re-exported: tiers are named by it
 
 
 class Tier(ABC):

@@ -54,7 +54,8 @@ from kvstore.errors import (
     StorageError,
 )
 from kvstore.keys import as_key
-from kvstore.tiers.base import Tier, TierKind
+from kvstore.tiering import TierKind
+from kvstore.tiers.base import Tier
 from kvstore.tiers.slab import _FLAGS, PAGE, _Extents, _Slab, extent_len
 
 __all__ = ["PAGE", "DiskTier", "extent_len"]

@@ -24,41 +24,15 @@ from typing import Any
 import numpy as np
 
 from kvstore.blocks import HEADER_SIZE, BlockHeader, copy_payload, host_bytes
-from kvstore.errors import ClosedError, ConfigError, StorageError
+from kvstore.errors import ClosedError, ConfigError
+from kvstore.shm.segment import SHM_DIR, map_segment
+from kvstore.tiering import TierKind
 from kvstore.tiers.alloc import ExtentAllocator
-from kvstore.tiers.base import Tier, TierKind
+from kvstore.tiers.base import Tier
 
-__all__ = ["SHM_DIR", "MemoryTier", "map_segment"]
-
-SHM_DIR = "/dev/shm"
 _PAGE = mmap.PAGESIZE
 
-
-def map_segment(name: str, size: int, *, create: bool) -> mmap.mmap:
-    """Create (exclusively) or open a named shared-memory segment and map it.
-
-    Plain files under /dev/shm rather than multiprocessing.shared_memory: that
-    module's resource tracker unlinks segments it did not create when a client
-    process exits, which would pull a node's DRAM tier from under it.
-    """
-    if "/" in name or not name:
-        raise ConfigError(f"bad shared-memory name {name!r}")
-    path = os.path.join(SHM_DIR, name)
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-    try:
-        fd = os.open(path, flags, 0o600)
-    except OSError as exc:
-        raise StorageError(f"cannot {'create' if create else 'open'} {path}: {exc}") from exc
-    try:
-        if create:
-            os.ftruncate(fd, size)
-        elif os.fstat(fd).st_size < size:
-            raise StorageError(f"{path} is smaller than {size} bytes")
-        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    except OSError as exc:
-        raise StorageError(f"cannot map {path}: {exc}") from exc
-    finally:
-        os.close(fd)
+__all__ = ["MemoryTier"]
 
 
 class MemoryTier(Tier):
@@ -123,10 +97,6 @@ class MemoryTier(Tier):
     def free(self, offset: int) -> int:
         """Release an extent; returns the bytes freed."""
         return self._alloc.free(offset)
-
-    def extent_size(self, nbytes: int) -> int:
-        """Bytes an ``nbytes`` block really takes (alignment included)."""
-        return self._alloc.round(nbytes)
 
     # -- bytes -------------------------------------------------------------------------
 

@@ -1,0 +1,406 @@
+"""``kvstore up``, ``kvstore nodes`` and ``kvstore ls``: run and read a cluster.
+
+``up`` runs a :class:`~kvstore.cli.local_cluster.LocalCluster` until Ctrl-C or SIGTERM.
+``nodes`` and ``ls`` read the directory the way a client does (one full listing into
+a mirror; no node is contacted), so they work while nodes are down and show exactly
+what clients would route by (``nodes`` says which are draining: clients write
+elsewhere). Block keys in ``ls`` are the keys nodes store: each tenant's keys are
+scoped hashes (kvstore/server/auth.py), not the keys a client sent.
+
+Directory entries carry no namespace, so ``ls --tenant``/``--namespace`` asks every
+live node instead, through the admin Scan RPC (an admin token, as ``kvstore evict``
+needs): each node resolves the tenant and model to the namespaces its requests used
+(kept beside its SSD tier across restarts) and its imports were named with, exactly as
+an eviction with the same filters would.
+
+Tables fit 80 columns; ``--json`` prints one JSON document instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+from kvstore.cli.fmt import fmt_bytes
+from kvstore.config import ClusterConfig, load_layered
+from kvstore.directory.base import NodeInfo, Replica
+from kvstore.directory.mirror import Mirror
+from kvstore.errors import AuthError, ConfigError, KVStoreError, PermissionDenied
+from kvstore.wire.codec import MAX_SCAN
+
+__all__ = ["add_parser"]
+
+T = TypeVar("T")
+
+_NODES_EXAMPLE = """\
+examples:
+  kvstore nodes --etcd 127.0.0.1:2379 --cluster c1
+  kvstore nodes --json | jq '.nodes[] | select(.draining) | .node_id'
+
+A draining node ('kvstore drain') takes no new writes; clients still read from it.
+"""
+_LS_EXAMPLE = """\
+examples:
+  kvstore ls --node a --prefix 3f2a --limit 20        # from the directory only
+  kvstore ls --namespace llama-3-8b --tenant acme     # asks each node (admin token)
+  KVSTORE_TOKEN=... kvstore ls --model llama-3-8b --tier ssd --json
+
+Keys are stored keys (tenant-scoped hashes). --tenant/--namespace select blocks
+written with a model scope, as 'kvstore evict' does.
+"""
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``up``, ``nodes`` and ``ls``."""
+    up = sub.add_parser(
+        "up",
+        help="run a local multi-process cluster (etcd + N nodes) until Ctrl-C",
+        description="Start etcd (from its binary, on free loopback ports) and N "
+        "'kvstore serve' nodes registered to it; print where they are; stop them all "
+        "on Ctrl-C or SIGTERM. Auth: --tokens-file, --allow-anonymous, KVSTORE_AUTH_TOKEN, "
+        "or a fresh token that is printed.",
+        epilog="example: kvstore up --nodes 3 --dram 512MiB --ssd 4GiB",
+    )
+    up.add_argument("--nodes", type=int, default=2, help="how many nodes (default 2)")
+    up.add_argument("--dram", default="256MiB", help="DRAM tier per node (default 256MiB)")
+    up.add_argument("--ssd", default="", help="SSD tier per node (default: none)")
+    up.add_argument("--base-port", type=int, default=0, help="node i uses P+2i, P+2i+1")
+    up.add_argument("--etcd", help="use this etcd (HOST:PORT) instead of starting one")
+    up.add_argument("--cluster", help="cluster name (default: KVSTORE_CLUSTER or 'default')")
+    up.add_argument("--host", default="127.0.0.1", help="address nodes bind (default loopback)")
+    up.add_argument("--tokens-file", default="", help="tokens file handed to every node")
+    up.add_argument("--allow-anonymous", action="store_true", help="nodes accept no token")
+    up.add_argument("--node-lease-ttl-s", type=float, help="directory lease TTL of each node")
+    up.add_argument("--json", action="store_true", help="print the ready document as JSON")
+    up.set_defaults(func=_cmd_up)
+
+    for name, helptext, example, fn in (
+        ("nodes", "list the nodes registered in a cluster's directory", _NODES_EXAMPLE, _cmd_nodes),
+        ("ls", "list block entries of a cluster's directory", _LS_EXAMPLE, _cmd_ls),
+    ):
+        p = sub.add_parser(
+            name,
+            help=helptext,
+            description=helptext + ".",
+            epilog=example,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        p.add_argument("--etcd", help="etcd HOST:PORT (default: KVSTORE_ETCD or 127.0.0.1:2379)")
+        p.add_argument("--cluster", help="cluster name (default: KVSTORE_CLUSTER or 'default')")
+        p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+        p.set_defaults(func=fn)
+        if name == "ls":
+            p.add_argument("--node", help="only this node's entries (node id)")
+            p.add_argument("--prefix", default="", help="only keys starting with these hex digits")
+            p.add_argument("--tier", choices=("hbm", "dram", "ssd"), help="only this tier")
+            p.add_argument("--limit", type=int, default=100, help="at most K rows (0: all)")
+            p.add_argument("--tenant", default="", help="only this tenant's blocks (asks nodes)")
+            p.add_argument(
+                "--namespace",
+                "--model",
+                dest="namespace",
+                default="",
+                metavar="MODEL",
+                help="only this model's blocks (asks nodes)",
+            )
+            p.add_argument(
+                "--token", help="admin token for --tenant/--namespace (default: KVSTORE_TOKEN)"
+            )
+            p.add_argument(
+                "--timeout", type=float, default=10.0, help="seconds per node call (default 10)"
+            )
+
+
+# -- up ------------------------------------------------------------------------------------
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from kvstore.cli.local_cluster import LocalCluster
+
+    cfg = load_layered(ClusterConfig, flags={"cluster": args.cluster})
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    cluster = LocalCluster(
+        args.nodes,
+        dram=args.dram,
+        ssd=args.ssd,
+        base_port=args.base_port,
+        etcd=args.etcd or "",
+        cluster=cfg.cluster,
+        host=args.host,
+        tokens_file=args.tokens_file,
+        allow_anonymous=args.allow_anonymous,
+        node_lease_ttl_s=args.node_lease_ttl_s,
+    )
+    try:
+        cluster.start()
+        doc = {"event": "ready", **cluster.describe()}
+        if args.json:
+            print(json.dumps(doc), flush=True)
+        else:
+            _print_up(doc)
+        return _watch(cluster, stop)
+    finally:
+        cluster.stop()
+        if not args.json:
+            print("kvstore up: stopped", flush=True)
+
+
+def _watch(cluster: Any, stop: threading.Event) -> int:
+    """Wait for a signal; report nodes that exit meanwhile (1 if all of them did)."""
+    reported: set[str] = set()
+    while not stop.wait(0.5):
+        for n in cluster.exited():
+            if n.node_id not in reported:
+                reported.add(n.node_id)
+                print(
+                    f"kvstore up: node {n.node_id} (pid {n.pid}) exited with status "
+                    f"{n.proc.returncode}; see {n.workdir / 'server.log'}",
+                    flush=True,
+                )
+        if len(reported) == len(cluster.nodes):
+            return 1
+    return 0
+
+
+def _print_up(doc: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    t = Table(box=None, pad_edge=False, header_style="bold")
+    for col in ("node", "pid", "gRPC address", "data port", "log"):
+        t.add_column(col, overflow="fold")
+    for n in doc["nodes"]:
+        t.add_row(n["node_id"], str(n["pid"]), n["address"], str(n["data_port"]), n["log"])
+    etcd_pid = f" (pid {doc['etcd_pid']})" if doc["etcd_pid"] else ""
+    lines = [
+        f"etcd {doc['etcd']}{etcd_pid}, cluster {doc['cluster']}",
+        f"export KVSTORE_ETCD={doc['etcd']} KVSTORE_CLUSTER={doc['cluster']}",
+    ]
+    if "token" in doc:
+        lines.append(f"export KVSTORE_TOKEN={doc['token']}  # generated")
+    lines.append("Ctrl-C stops every process started here.")
+    _print(t, *lines)
+
+
+# -- nodes / ls ----------------------------------------------------------------------------
+
+
+async def _with_mirror(cfg: ClusterConfig, fn: Callable[[Mirror], T]) -> T:
+    try:
+        from kvstore.directory.etcd import EtcdDirectory
+    except ImportError as exc:
+        raise ConfigError(
+            f"reading etcd needs aetcd (pip install 'kvstore[service]'): {exc}"
+        ) from None
+    async with EtcdDirectory(cfg.etcd, cfg.cluster) as d:
+        return fn(await d.mirror())
+
+
+def _read(args: argparse.Namespace, fn: Callable[[Mirror], T]) -> tuple[ClusterConfig, T]:
+    cfg = load_layered(ClusterConfig, flags={"etcd": args.etcd, "cluster": args.cluster})
+    coro: Coroutine[Any, Any, T] = _with_mirror(cfg, fn)
+    return cfg, asyncio.run(coro)
+
+
+def _node_rows(m: Mirror) -> list[dict[str, Any]]:
+    held: dict[str, list[int]] = {}
+    for _, r in m.entries():
+        c = held.setdefault(r.node_id, [0, 0])
+        c[0] += 1
+        c[1] += r.size
+    return [_node_doc(info, *held.get(nid, [0, 0])) for nid, info in sorted(m.nodes().items())]
+
+
+def _node_doc(info: NodeInfo, blocks: int, nbytes: int) -> dict[str, Any]:
+    return {
+        "node_id": info.node_id,
+        "host": info.host,
+        "address": info.address,
+        "data_address": info.data_address,
+        "shm_name": info.shm_name,
+        "boot_id": info.boot_id,
+        "host_id": info.host_id,
+        "epoch": f"{info.epoch:x}",
+        "tiers": {t.value: cap for t, cap in info.tiers.items()},
+        "draining": info.draining,
+        "blocks": blocks,
+        "bytes": nbytes,
+    }
+
+
+def _cmd_nodes(args: argparse.Namespace) -> int:
+    cfg, rows = _read(args, _node_rows)
+    if args.json:
+        print(json.dumps({"etcd": cfg.etcd, "cluster": cfg.cluster, "nodes": rows}))
+        return 0
+    from rich.table import Table
+
+    t = Table(title=f"cluster {cfg.cluster} at {cfg.etcd}: {len(rows)} nodes", title_justify="left")
+    for col, just in (
+        ("node", "left"),
+        ("address", "left"),
+        ("host", "left"),
+        ("tiers", "left"),
+        ("state", "left"),
+        ("blocks", "right"),
+        ("bytes", "right"),
+    ):
+        t.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]
+    for r in rows:
+        tiers = " ".join(f"{k}:{fmt_bytes(v).replace(' ', '')}" for k, v in r["tiers"].items())
+        state = "[yellow]draining[/]" if r["draining"] else "serving"
+        t.add_row(
+            r["node_id"],
+            r["address"],
+            r["host"],
+            tiers,
+            state,
+            str(r["blocks"]),
+            fmt_bytes(r["bytes"]),
+        )
+    _print(t)
+    return 0
+
+
+def _hex_prefix(args: argparse.Namespace) -> str:
+    prefix = str(args.prefix).lower()
+    if prefix and any(c not in "0123456789abcdef" for c in prefix):
+        raise ConfigError(f"prefix {args.prefix!r}: give hex digits")
+    if args.limit < 0:
+        raise ConfigError("limit: must be >= 0")
+    return prefix
+
+
+def _entries(
+    args: argparse.Namespace,
+) -> Callable[[Mirror], tuple[int, list[tuple[bytes, Replica]]]]:
+    prefix = _hex_prefix(args)
+
+    def pick(m: Mirror) -> tuple[int, list[tuple[bytes, Replica]]]:
+        rows = [
+            (k, r)
+            for k, r in m.entries(args.node)
+            if k.hex().startswith(prefix) and args.tier in (None, r.tier.value)
+        ]
+        rows.sort(key=lambda e: (e[0], e[1].node_id))
+        return len(rows), rows[: args.limit] if args.limit else rows
+
+    return pick
+
+
+def _scan_nodes(
+    args: argparse.Namespace, nodes: dict[str, NodeInfo]
+) -> tuple[list[dict[str, Any]], list[str], list[dict[str, str]]]:
+    """Ask each node (``--node``: that one) for its blocks matching the filters, via
+    the admin Scan RPC. Returns the rows, the nodes that had more than one reply
+    holds, and per-node errors (a down node is reported, the others still listed)."""
+    from kvstore.cli.admin import connect
+    from kvstore.client.admin import AdminClient
+
+    prefix = _hex_prefix(args)
+    wire_prefix = bytes.fromhex(prefix[: len(prefix) // 2 * 2])  # odd digit: checked here
+    if args.node and args.node not in nodes:
+        raise ConfigError(f"node {args.node!r} is not registered in this cluster")
+    rows: list[dict[str, Any]] = []
+    more: list[str] = []
+    errors: list[dict[str, str]] = []
+    for node_id, info in sorted(nodes.items()):
+        if args.node and node_id != args.node:
+            continue
+        try:
+            with connect(info.address, args, admin="ls --tenant/--namespace") as c:
+                blocks, truncated = AdminClient(c).scan_page(
+                    MAX_SCAN,
+                    args.tier or "",
+                    tenant=args.tenant,
+                    model=args.namespace,
+                    key_prefix=wire_prefix,
+                    timeout=args.timeout,
+                )
+        except (ConfigError, AuthError, PermissionDenied):
+            raise  # the token's fault, not the node's: one error, not one per node
+        except KVStoreError as exc:
+            errors.append({"node": node_id, "code": exc.code, "error": str(exc)})
+            continue
+        if truncated:
+            more.append(node_id)
+        rows += [
+            {
+                "key": b.key.hex(),
+                "node": node_id,
+                "tier": b.tier,
+                "size": b.size,
+                "tenant": b.tenant,
+                "namespace": b.model,
+            }
+            for b in blocks
+            if b.key.hex().startswith(prefix)
+        ]
+    rows.sort(key=lambda d: (d["key"], d["node"]))
+    return rows, more, errors
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    if args.tenant or args.namespace:
+        return _ls_nodes(args)
+    cfg, (total, rows) = _read(args, _entries(args))
+    docs: list[dict[str, Any]] = [
+        {"key": k.hex(), "node": r.node_id, "tier": r.tier.value, "size": r.size} for k, r in rows
+    ]
+    if args.json:
+        print(json.dumps({"cluster": cfg.cluster, "total": total, "entries": docs}))
+        return 0
+    _print_entries(f"cluster {cfg.cluster}: {len(docs)} of {total} entries", docs)
+    return 0
+
+
+def _ls_nodes(args: argparse.Namespace) -> int:
+    """``ls --tenant/--namespace``: the nodes' own listings, filtered by namespace."""
+    _hex_prefix(args)  # a bad --prefix or --limit fails before etcd is asked
+    cfg, nodes = _read(args, lambda m: m.nodes())
+    rows, more, errors = _scan_nodes(args, nodes)
+    total = len(rows)
+    docs = rows[: args.limit] if args.limit else rows
+    scope = " ".join(
+        f"{k} {v}" for k, v in (("tenant", args.tenant), ("namespace", args.namespace)) if v
+    )
+    if args.json:
+        doc = {"cluster": cfg.cluster, "tenant": args.tenant, "namespace": args.namespace}
+        doc.update(total=total, entries=docs, more=more, errors=errors)
+        print(json.dumps(doc))
+        return 1 if errors else 0
+    lines = [f"  more on {n} than one listing holds: narrow with --prefix/--tier" for n in more]
+    _print_entries(f"cluster {cfg.cluster}, {scope}: {len(docs)} of {total} blocks", docs, *lines)
+    for e in errors:
+        print(f"kvstore ls: error ({e['node']}): {e['error']}", file=sys.stderr)
+    return 1 if errors else 0
+
+
+def _print_entries(title: str, docs: list[dict[str, Any]], *lines: str) -> None:
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left")
+    t.add_column("key", no_wrap=True)
+    t.add_column("node", overflow="fold")
+    t.add_column("tier")
+    t.add_column("size", justify="right")
+    for d in docs:
+        t.add_row(d["key"], d["node"], d["tier"], fmt_bytes(d["size"]))
+    _print(t, *lines)
+
+
+def _print(*items: Any) -> None:
+    """Print tables and lines at most 80 columns wide (narrower terminals: theirs)."""
+    from rich.console import Console
+
+    con = Console(highlight=False)
+    con.width = min(con.width, 80)
+    for item in items:
+        con.print(item, soft_wrap=isinstance(item, str))

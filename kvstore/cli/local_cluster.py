@@ -1,0 +1,251 @@
+"""A local multi-process cluster: one etcd and N ``kvstore serve`` children.
+
+What ``kvstore up`` runs, and what a test or a demo uses to get a real cluster on
+one machine. Everything listens on loopback (unless ``host`` says otherwise); etcd
+is started from its binary on free ports with its data in a private temporary
+directory, and each node gets its own work directory (log, SSD tier) under it.
+
+Ownership: this object stops exactly what it started, by PID: nodes first (SIGTERM,
+so each revokes its lease; SIGKILL after a grace period), then etcd, then the
+temporary directory. Children also get SIGTERM from the kernel if this process dies
+without stopping them (``PR_SET_PDEATHSIG`` on Linux), so a killed ``kvstore up``
+does not leave nodes behind.
+
+Authentication: nodes take a tokens file or ``allow_anonymous`` when asked to; else
+the token in the environment (as config.py reads it); else a fresh random token,
+handed to the children through their environment (never a flag: flags show in ``ps``)
+and reported back so the caller can print it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import secrets
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvstore.config import ServerConfig, child_env, load_layered
+from kvstore.directory.etcd_process import EtcdProcess
+from kvstore.errors import ConfigError, Unavailable
+from kvstore.shm.index import index_name
+
+__all__ = ["LocalCluster", "NodeProcess"]
+
+READY_TIMEOUT_S = 60.0
+STOP_GRACE_S = 10.0
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class NodeProcess:
+    """One ``kvstore serve`` child and the facts from its ready line."""
+
+    node_id: str
+    workdir: Path
+    proc: subprocess.Popen[str]
+    facts: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def describe(self) -> dict[str, Any]:
+        """What a caller needs to reach this node (JSON-able)."""
+        f = self.facts
+        return {
+            "node_id": self.node_id,
+            "pid": self.pid,
+            "address": f.get("address") or f"{f.get('host')}:{f.get('port')}",
+            "data_port": f.get("data_port"),
+            "shm_name": f.get("shm_name"),
+            "log": str(self.workdir / "server.log"),
+        }
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class LocalCluster:
+    """etcd (unless ``etcd`` names one) plus ``nodes`` store nodes on this machine.
+
+    ``start()`` returns when every node printed its ready line (or raises with the
+    failing node's log); ``stop()`` is idempotent. Also a context manager.
+    """
+
+    def __init__(
+        self,
+        nodes: int,
+        *,
+        dram: str = "256MiB",
+        ssd: str = "",
+        base_port: int = 0,
+        etcd: str = "",
+        cluster: str = "default",
+        host: str = "127.0.0.1",
+        tokens_file: str = "",
+        allow_anonymous: bool = False,
+        node_lease_ttl_s: float | None = None,
+        root: Path | None = None,
+    ) -> None:
+        if not 1 <= nodes <= 64:
+            raise ConfigError(f"nodes: {nodes} (use 1-64)")
+        if base_port and not 1024 <= base_port <= 65535 - 2 * nodes:
+            raise ConfigError(f"base_port: {base_port} leaves no room for {nodes} nodes")
+        self.n = nodes
+        self.dram, self.ssd, self.base_port = dram, ssd, base_port
+        self.cluster, self.host = cluster, host
+        self.node_lease_ttl_s = node_lease_ttl_s
+        self.etcd_endpoint = etcd
+        self.etcd: EtcdProcess | None = None
+        self.nodes: list[NodeProcess] = []
+        self.token: str | None = None  # set when this cluster generated it
+        self._auth_flags, self._env = self._auth(tokens_file, allow_anonymous)
+        self._own_root = root is None
+        self.root = Path(tempfile.mkdtemp(prefix="kvstore-up-")) if root is None else root
+
+    def _auth(self, tokens_file: str, anonymous: bool) -> tuple[dict[str, Any], dict[str, str]]:
+        if tokens_file:
+            return {"tokens_file": tokens_file}, child_env({})
+        if anonymous:
+            return {"allow_anonymous": True}, child_env({})
+        if load_layered(ServerConfig, flags={"allow_anonymous": True}).auth_token:
+            return {}, child_env({})  # the children inherit it
+        self.token = secrets.token_hex(16)
+        return {}, child_env({"auth_token": self.token})
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def start(self, timeout: float = READY_TIMEOUT_S) -> LocalCluster:
+        """Start etcd (when not given) and every node; wait for all to be ready."""
+        try:
+            if not self.etcd_endpoint:
+                self.etcd = EtcdProcess(self.root / "etcd").start()
+                self.etcd_endpoint = self.etcd.endpoint
+            for i in range(self.n):
+                self.nodes.append(self._spawn(i))
+            self._wait_ready(time.monotonic() + timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _argv(self, i: int, workdir: Path) -> list[str]:
+        flags: dict[str, Any] = {
+            "node_id": f"n{i}",
+            "host": self.host,
+            "port": self.base_port + 2 * i if self.base_port else 0,
+            "data_port": self.base_port + 2 * i + 1 if self.base_port else 0,
+            "dram_bytes": self.dram,
+            "etcd": self.etcd_endpoint,
+            "cluster": self.cluster,
+            "node_lease_ttl_s": self.node_lease_ttl_s,
+            **self._auth_flags,
+        }
+        if self.ssd:
+            flags.update(ssd_path=workdir / "ssd", ssd_bytes=self.ssd)
+        argv = [sys.executable, "-m", "kvstore.cli", "serve", "--json"]
+        for name, value in flags.items():
+            if value is True:
+                argv.append("--" + name.replace("_", "-"))
+            elif value is not None:
+                argv += ["--" + name.replace("_", "-"), str(value)]
+        return argv
+
+    def _spawn(self, i: int) -> NodeProcess:
+        workdir = self.root / f"n{i}"
+        workdir.mkdir(parents=True, exist_ok=True)
+        with open(workdir / "server.log", "ab") as log:
+            proc = subprocess.Popen(
+                self._argv(i, workdir),
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env={**self._env, "PYTHONUNBUFFERED": "1"},
+                text=True,
+                start_new_session=True,  # Ctrl-C reaches only us: we stop them in order
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            )
+        return NodeProcess(f"n{i}", workdir, proc)
+
+    def _wait_ready(self, deadline: float) -> None:
+        waiting = {n.proc.stdout: n for n in self.nodes if n.proc.stdout is not None}
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise Unavailable(f"nodes not ready in time: {self._logs(waiting.values())}")
+            ready, _, _ = select.select(list(waiting), [], [], min(left, 0.2))
+            for stream in ready:
+                node = waiting[stream]
+                line = stream.readline()
+                if line.startswith("{"):
+                    node.facts = json.loads(line)
+                    del waiting[stream]
+                elif not line and node.proc.poll() is not None:
+                    raise Unavailable(f"node {node.node_id} exited: {self._logs([node])}")
+
+    @staticmethod
+    def _logs(nodes: Any) -> str:
+        tails = []
+        for n in nodes:
+            text = (n.workdir / "server.log").read_text(errors="replace").strip()
+            tails.append(f"[{n.node_id}] " + (text.splitlines()[-1] if text else "(no output)"))
+        return "; ".join(tails)
+
+    def exited(self) -> list[NodeProcess]:
+        """Nodes whose process has ended."""
+        return [n for n in self.nodes if n.proc.poll() is not None]
+
+    def stop(self, grace: float = STOP_GRACE_S) -> None:
+        """Stop the nodes (SIGTERM, SIGKILL after ``grace``), then etcd; idempotent."""
+        nodes, self.nodes = self.nodes, []
+        for n in nodes:
+            if n.proc.poll() is None:
+                n.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for n in nodes:
+            try:
+                n.proc.wait(max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                n.proc.kill()
+                n.proc.wait(5.0)
+            if n.proc.stdout is not None:
+                n.proc.stdout.close()
+            shm = n.facts.get("shm_name")
+            if shm and n.proc.returncode != 0:  # a killed node cannot unlink its segment
+                Path("/dev/shm", shm).unlink(missing_ok=True)
+                Path("/dev/shm", index_name(shm)).unlink(missing_ok=True)
+        if self.etcd is not None:
+            self.etcd.stop()
+            self.etcd = None
+        if self._own_root:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def describe(self) -> dict[str, Any]:
+        """Everything a caller needs to use the cluster (JSON-able)."""
+        doc: dict[str, Any] = {
+            "etcd": self.etcd_endpoint,
+            "etcd_pid": self.etcd.pid if self.etcd is not None else None,
+            "cluster": self.cluster,
+            "root": str(self.root),
+            "nodes": [n.describe() for n in self.nodes],
+        }
+        if self.token is not None:
+            doc["token"] = self.token
+        return doc

@@ -1,0 +1,137 @@
+"""What ``kvstore stats`` shows: a node's stats folded into one summary, and its table.
+
+The summary folds counters with the same code the Prometheus exporter uses
+(:func:`kvstore.observe.names.fold_counters`), so a number in the table and the
+matching series on a dashboard never disagree. Per-tenant views use the tenant-tagged
+counters the server keeps (hits, misses, puts, bytes per path); capacity, blocks,
+demotions, promotions and evictions are node-wide because the node never sees tenants.
+The table fits an 80-column terminal; ``--json`` prints the summary itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kvstore.cli.fmt import fmt_bytes
+from kvstore.observe.counters import PATHS
+from kvstore.observe.names import (
+    DEMOTIONS,
+    EVICTIONS,
+    HITS,
+    MISSES,
+    PROMOTIONS,
+    PUT_BYTES,
+    PUTS,
+    TRANSFER,
+    Family,
+    fold_counters,
+    merge_counters,
+    tenant_family,
+)
+
+__all__ = ["count", "render", "summarize"]
+
+_GAUGES = ("connections", "leases", "leases_expired", "draining")  # server, not counters
+
+
+def summarize(address: str, stats: Mapping[str, Any], tenant: str | None = None) -> dict[str, Any]:
+    """One node's StoreClient.stats() as the plain summary ``kvstore stats`` prints."""
+    server = dict(stats.get("server", {}))
+    counters = merge_counters(
+        [stats["counters"], {k: v for k, v in server.items() if k not in _GAUGES}]
+    )
+    tiers = list(stats["tiers"])
+    folded = fold_counters(counters, tiers)
+
+    def get(f: Family, *labels: str, node_wide: bool = False) -> int:
+        if tenant is None or node_wide:
+            return int(folded.get((f, labels), 0))
+        return int(folded.get((tenant_family(f), (*labels, tenant)), 0))
+
+    per_tier = {}
+    for name, t in stats["tiers"].items():
+        per_tier[name] = {
+            "capacity": int(t["capacity"]),
+            "used": int(t["used"]),
+            "blocks": int(t["blocks"]),
+            "hits": get(HITS, name),
+            "demotions": get(DEMOTIONS, name, node_wide=True),
+            "promotions": get(PROMOTIONS, name, node_wide=True),
+            "evictions": get(EVICTIONS, name, node_wide=True),
+        }
+    hits = sum(t["hits"] for t in per_tier.values())
+    misses = get(MISSES)
+    paths = [p for p in PATHS if not (tenant and p == "inproc")]
+    return {
+        "address": address,
+        "node_id": str(stats["node_id"]),
+        "tenant": tenant,
+        "draining": bool(server.get("draining", 0)),
+        "blocks": int(stats["blocks"]),
+        "pinned": int(stats["pinned"]),
+        "tiers": per_tier,
+        "lookups": hits + misses,
+        "hits": hits,
+        "misses": misses,
+        "hit_rate": hits / (hits + misses) if hits + misses else None,
+        "puts": get(PUTS),
+        "put_bytes": get(PUT_BYTES),
+        "bytes_in": {p: get(TRANSFER, "in", p) for p in paths},
+        "bytes_out": {p: get(TRANSFER, "out", p) for p in paths},
+        "connections": int(server.get("connections", 0)),
+        "leases": int(server.get("leases", 0)),
+    }
+
+
+def count(n: int) -> str:
+    """A count in at most 7 characters: ``12,345``, ``123.4k``, ``12.3M``."""
+    if n < 100_000:
+        return f"{n:,}"
+    if n < 10_000_000:
+        return f"{n / 1e3:.1f}k" if n < 1_000_000 else f"{n / 1e6:.2f}M"
+    return f"{n / 1e6:.0f}M" if n < 1e9 else f"{n / 1e9:.1f}G"
+
+
+def render(console: Any, doc: Mapping[str, Any]) -> None:
+    """Print one node's summary as a heading, a tier table and a transfer table."""
+    from rich import box
+    from rich.table import Table
+
+    state = "[yellow]draining[/]" if doc["draining"] else "[green]serving[/]"
+    who = f" · tenant [bold]{doc['tenant']}[/]" if doc["tenant"] else ""
+    console.print(
+        f"[bold]{doc['node_id']}[/] {doc['address']} · {state} · {count(doc['blocks'])} "
+        f"blocks, {count(doc['pinned'])} pinned{who}"
+    )
+    tiers = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    for i, name in enumerate(
+        ("tier", "capacity", "used", "blocks", "hits", "demoted", "promoted", "evicted")
+    ):
+        tiers.add_column(name, justify="left" if i == 0 else "right", no_wrap=True)
+    for name, t in doc["tiers"].items():
+        pct = f"{100 * t['used'] / t['capacity']:.0f}%" if t["capacity"] else "-"
+        tiers.add_row(
+            name,
+            fmt_bytes(t["capacity"]),
+            f"{fmt_bytes(t['used'])} {pct}",
+            count(t["blocks"]),
+            count(t["hits"]),
+            count(t["demotions"]),
+            count(t["promotions"]),
+            count(t["evictions"]),
+        )
+    console.print(tiers)
+    rate = "-" if doc["hit_rate"] is None else f"{100 * doc['hit_rate']:.1f}%"
+    console.print(
+        f"lookups {count(doc['lookups'])} · hit rate {rate} · misses {count(doc['misses'])}"
+        f" · puts {count(doc['puts'])} ({fmt_bytes(doc['put_bytes'])})"
+    )
+    moved = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    for name in ("transport", "bytes in", "bytes out"):
+        moved.add_column(name, justify="left" if name == "transport" else "right", no_wrap=True)
+    for path in doc["bytes_in"]:
+        moved.add_row(path, fmt_bytes(doc["bytes_in"][path]), fmt_bytes(doc["bytes_out"][path]))
+    console.print(moved)
+    if doc["tenant"]:
+        console.print("[dim]the tenant's: hits, misses, puts, bytes; node-wide: the rest[/]")

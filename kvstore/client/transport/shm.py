@@ -1,0 +1,253 @@
+"""Shared-memory transport: same-host clients copy straight out of (and into) the node's
+DRAM segment, one numpy copy per block, with the socket carrying only leases.
+
+Direct read (the default, kvstore/client/transport/shm_direct.py): a DRAM block is found in the
+server's published index and copied with no round trip at all; the server hears of it
+afterwards in a batched TOUCH. What that path cannot serve (a key not published, an
+unknown scope, a slot rewritten during the copy) falls through to a leased read.
+
+Leased read: LEASE names the keys; the server pins each DRAM hit and replies with its header,
+extent offset and a read lease that expires at ``lease_expires_ns`` (CLOCK_MONOTONIC,
+one clock for the whole host). The client copies ``offset + 128 ..`` into the
+destination, then hands the leases back with RELEASE (no reply), sent ahead of its
+next request on that connection or after a few idle milliseconds. A
+block that is not in DRAM (an SSD read that could not be promoted, an HBM block) comes
+inline on the socket as with TCP.
+
+A reader whose lease expired must never get wrong bytes. After copying it checks the
+deadline: past it, the block is a miss (counted as ``shm_lease_expired``); before it,
+the copy happened entirely under the pin, because the reaper only frees extents whose
+deadline has passed on the same CLOCK_MONOTONIC. That the clock is shared is checked
+on every reply (the server's grant time must fall between the client's send and
+receive); when it is not, or with ``verify_shm`` on, the xxh3 of what was copied is
+checked too (a mismatch: a miss, counted as ``corrupt_transfers``). Like the node's own
+DRAM reads, a pinned copy is not checksummed by default: it costs ~18 us per MiB.
+
+Write: RESERVE returns an extent and a write lease per value; the client copies each
+payload into ``offset + 128 ..`` and COMMITs with the xxh3 of its source bytes, which the
+node checks against the slab before the block becomes visible. Same-host clients are
+trusted with the segment (it is mapped read-write, owner-only): a buggy one can scribble
+on other blocks, which readers then reject by checksum.
+
+Isolation: whoever maps the segment can read every block in it, whatever its tenant.
+Only processes of the server's Unix user can (the file is mode 0600); tenants that must
+not see each other's bytes run as other users, whose clients fail to map the segment
+and use TCP, where every key is scoped by the token's tenant on the server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvstore._proto import store_pb2 as pb
+from kvstore.blocks import HEADER_SIZE, BlockHeader, checksum
+from kvstore.client.transport.base import Transport
+from kvstore.client.transport.buffers import fresh_landing, out_landing, prepare_writes
+from kvstore.client.transport.conn import DataConn
+from kvstore.client.transport.shm_direct import FALLBACK, DirectReader
+from kvstore.client.transport.tcp import miss, put_results, receive_inline
+from kvstore.errors import KVStoreError, StorageError, TransportError
+from kvstore.observe.counters import NodeCounters
+from kvstore.shm.segment import map_segment
+from kvstore.wire.codec import meta_of
+from kvstore.wire.frames import Op
+
+__all__ = ["Segment", "ShmTransport"]
+
+log = logging.getLogger(__name__)
+
+
+class Segment:
+    """A read-write mapping of a node's DRAM segment in this process."""
+
+    def __init__(self, name: str, size: int) -> None:
+        if not name or size <= 0:
+            raise StorageError("the server has no shared-memory segment")
+        self.name = name
+        self.size = size
+        self._mm: mmap.mmap | None = map_segment(name, size, create=False)
+        self.view = np.frombuffer(self._mm, dtype=np.uint8)
+
+    def extent(self, offset: int, n: int) -> np.ndarray:
+        """The payload bytes of the block whose extent starts at ``offset``."""
+        start = offset + HEADER_SIZE
+        if offset < 0 or start + n > self.size:
+            raise TransportError(
+                f"extent [{offset}, +{n}) lies outside the {self.size}-byte segment"
+            )
+        return self.view[start : start + n]
+
+    def close(self) -> None:
+        """Drop the mapping (it lingers while a view of it is alive)."""
+        if self._mm is not None:
+            del self.view
+            # a caller may still hold a view; the mapping then goes when the view does
+            with contextlib.suppress(BufferError):
+                self._mm.close()
+            self._mm = None
+
+
+class ShmTransport(Transport):
+    """Payload copies through the node's shared-memory segment."""
+
+    name = "shm"
+
+    def __init__(
+        self,
+        counters: NodeCounters,
+        segment: Segment,
+        *,
+        verify: bool = False,
+        direct: DirectReader | None = None,
+    ) -> None:
+        super().__init__(counters)
+        self.segment = segment
+        self.verify = verify
+        self.direct = direct
+
+    def close(self) -> None:
+        """Drop the index and segment mappings (they linger while views are alive)."""
+        if self.direct is not None:
+            self.direct.close()
+        self.segment.close()
+
+    def read(
+        self,
+        conn: DataConn,
+        keys: Sequence[bytes],
+        outs: Sequence[Any] | None,
+        scope: pb.Scope,
+        deadline: float,
+    ) -> list[Any]:
+        d = self.direct
+        nsfp = d.namespace(scope.model, scope.layout) if d is not None else None
+        if d is None or nsfp is None or not d.alive():
+            return self._leased(conn, keys, outs, scope, deadline)
+        t0 = time.perf_counter()
+        get_into = outs is not None
+        results: list[Any] = []
+        rest: list[int] = []
+        served: list[bytes] = []
+        nbytes = 0
+        for i, skey in enumerate(d.scoped(list(keys))):
+            out = outs[i] if outs is not None else None
+            r, n = d.read(skey, out, get_into, nsfp, self.verify, self.counters)
+            results.append(r)
+            if r is FALLBACK:
+                rest.append(i)
+            elif n:
+                served.append(keys[i])
+                nbytes += n
+        if served:
+            self.counters.inc("shm_direct_reads", len(served))
+            whole = None if rest else time.perf_counter() - t0  # else LEASE is timed
+            conn.defer_touch(served, nbytes, whole)
+        if rest:
+            more = self._leased(
+                conn,
+                [keys[i] for i in rest],
+                [outs[i] for i in rest] if outs is not None else None,
+                scope,
+                deadline,
+            )
+            for i, r in zip(rest, more, strict=True):
+                results[i] = r
+        return results
+
+    def _leased(
+        self,
+        conn: DataConn,
+        keys: Sequence[bytes],
+        outs: Sequence[Any] | None,
+        scope: pb.Scope,
+        deadline: float,
+    ) -> list[Any]:
+        """Read under leases the server grants in one round trip (DRAM hits) or inline
+        (everything else); teaches the direct reader the scope's namespace."""
+        req = pb.GetRequest(scope=scope, keys=keys)
+        sent_ns = time.monotonic_ns()
+        resp, _ = conn.call(Op.LEASE, req, pb.GetResponse, deadline)
+        if self.direct is not None:
+            self.direct.learn(scope.model, scope.layout, resp.namespace_fp)
+        verify = self.verify or not sent_ns <= resp.server_now_ns <= time.monotonic_ns()
+        if verify and not self.verify:
+            self.counters.inc("shm_clock_mismatch")  # not one clock: checksums decide
+        if len(resp.blocks) != len(keys):
+            conn.fs.broken = True
+            raise TransportError(f"{len(resp.blocks)} blocks for {len(keys)} keys")
+        get_into = outs is not None
+        leases = [ref.lease_id for ref in resp.blocks if ref.lease_id]
+        results = []
+        try:
+            for i, ref in enumerate(resp.blocks):
+                out = outs[i] if outs is not None else None
+                if ref.lease_id:
+                    expires = resp.lease_expires_ns
+                    results.append(self._copy_out(ref, out, get_into, expires, verify))
+                else:
+                    results.append(receive_inline(conn, ref, out, get_into, self.counters))
+        finally:
+            conn.defer_release(leases)  # with the next request, or the pool's flush
+        return results
+
+    def _copy_out(
+        self, ref: pb.BlockRef, out: Any, get_into: bool, expires_ns: int, verify: bool
+    ) -> Any:
+        header = BlockHeader.unpack(ref.header)
+        try:
+            landing = out_landing(header, out) if get_into else fresh_landing(header)
+        except KVStoreError as exc:
+            return exc
+        np.copyto(landing.view, self.segment.extent(ref.offset, header.payload_len))
+        if time.monotonic_ns() >= expires_ns:
+            self.counters.inc("shm_lease_expired")
+            log.info("read lease of %s expired during the copy; served as a miss", header.key.hex())
+            return miss(get_into)
+        if verify and checksum(landing.view) != header.checksum:
+            self.counters.inc("corrupt_transfers")
+            log.warning(
+                "block %s copied from shared memory failed its checksum; a miss", header.key.hex()
+            )
+            return miss(get_into)
+        return landing.finish()
+
+    def write(
+        self,
+        conn: DataConn,
+        keys: Sequence[bytes],
+        values: Sequence[Any],
+        scope: pb.Scope,
+        deadline: float,
+    ) -> list[Any]:
+        results: list[Any] = [None] * len(keys)
+        items = prepare_writes(keys, values, results, conn.info.limits.max_value_bytes)
+        if not items:
+            return results
+        req = pb.PutRequest(scope=scope)
+        for it in items:
+            req.items.add(key=it.key, meta=meta_of(it.info))
+        resp, _ = conn.call(Op.RESERVE, req, pb.PutResponse, deadline)
+        put_results(resp, items, results)  # errors and already-present keys
+        granted = [(it, r) for it, r in zip(items, resp.results, strict=True) if r.lease_id]
+        if not granted:
+            return results
+        commit = pb.CommitRequest()
+        try:
+            for it, r in granted:
+                dst = self.segment.extent(r.offset, it.info.nbytes)
+                np.copyto(dst, np.frombuffer(it.data, dtype=np.uint8))
+                commit.items.add(lease_id=r.lease_id, checksum=it.sum)
+        except BaseException:
+            if conn.usable:
+                abort = pb.LeaseRequest(lease_ids=[r.lease_id for _, r in granted])
+                conn.call(Op.ABORT, abort, pb.LeaseResponse, deadline)
+            raise
+        resp, _ = conn.call(Op.COMMIT, commit, pb.PutResponse, deadline)
+        return put_results(resp, [it for it, _ in granted], results)

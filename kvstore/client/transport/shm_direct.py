@@ -1,0 +1,120 @@
+"""Same-host reads without a round trip: find a DRAM block in the server's published index
+and copy it out of the segment, checked by the index's sequence lock.
+
+The contract is in kvstore/shm/index.py. Here is the client's half: the key is
+scoped to the client's tenant exactly as the server would (kvstore/server/auth.py: the tenant
+comes from the server's INFO reply, so scoping is the same function of the same inputs),
+the block header found at the published offset must name that scoped key and the
+namespace the server resolved for the request's scope (learned from a LEASE reply, see
+:meth:`DirectReader.learn`), and the slot must be unchanged after the copy. A key that is
+not published, a slot being rewritten, a header that does not match or a server that is
+no longer alive is a fallback to the leased path (``FALLBACK``), never a miss and never
+wrong bytes.
+
+The server hears of these reads afterwards: each connection batches the keys it served
+and sends them as a TOUCH frame (DataConn.defer_touch), so hit counts, bytes out and the
+eviction order include them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvstore.blocks import HEADER_SIZE, BlockHeader, checksum
+from kvstore.client.transport.buffers import fresh_landing, out_landing
+from kvstore.errors import CorruptBlock, KVStoreError
+from kvstore.observe.counters import NodeCounters
+from kvstore.shm.index import IndexReader
+from kvstore.tenants import Principal
+
+__all__ = ["FALLBACK", "DirectReader"]
+
+
+class _Fallback:
+    """Marker: read this key through the leased path."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "FALLBACK"
+
+
+FALLBACK: Any = _Fallback()
+
+
+class DirectReader:
+    """Reads blocks of one server instance through its published index.
+
+    Shared by the connections of one client to that instance; every method is safe to
+    call from several threads (the index and segment are only read; ``fps`` is a dict
+    whose items are replaced whole).
+    """
+
+    def __init__(self, index: IndexReader, view: np.ndarray, tenant: str) -> None:
+        self.index = index
+        self.view = view  # the DRAM segment, uint8
+        self.size = int(view.size)
+        self._scope = Principal(tenant).scope_all
+        self.fps: dict[tuple[str, str], bytes] = {}  # (model, layout) -> namespace fp
+
+    def learn(self, model: str, layout: str, fp: bytes) -> None:
+        """Remember the namespace the server resolved for a scope (b"": none)."""
+        self.fps[(model, layout)] = fp
+
+    def namespace(self, model: str, layout: str) -> bytes | None:
+        """The namespace fingerprint to expect for a scope; None until learned."""
+        return self.fps.get((model, layout))
+
+    def alive(self) -> bool:
+        """Whether the index still belongs to a live server."""
+        return self.index.alive()
+
+    def scoped(self, keys: list[bytes]) -> list[bytes]:
+        """The node-side keys of this tenant's keys."""
+        return self._scope(keys)
+
+    def read(
+        self,
+        skey: bytes,
+        out: Any,
+        get_into: bool,
+        nsfp: bytes,
+        verify: bool,
+        counters: NodeCounters,
+    ) -> tuple[Any, int]:
+        """One block by its scoped key: (the per-key result, payload bytes copied), or
+        (FALLBACK, 0)."""
+        idx = self.index
+        found = idx.find(skey)
+        if found is None:
+            return FALLBACK, 0
+        slot, seq = found
+        off = idx.offset(slot)
+        start = off + HEADER_SIZE
+        if off < 0 or start > self.size:
+            return FALLBACK, 0
+        try:
+            header = BlockHeader.unpack(self.view[off:start])
+        except CorruptBlock:
+            return FALLBACK, 0  # being rewritten under us: the slot check would fail too
+        n = header.payload_len
+        if header.key != skey or (nsfp and header.namespace_fp != nsfp) or start + n > self.size:
+            return FALLBACK, 0
+        try:
+            landing = out_landing(header, out) if get_into else fresh_landing(header)
+        except KVStoreError as exc:
+            return (exc, 0) if idx.unchanged(slot, seq) else (FALLBACK, 0)
+        np.copyto(landing.view, self.view[start : start + n])
+        if not idx.unchanged(slot, seq):
+            counters.inc("shm_direct_raced")
+            return FALLBACK, 0
+        if verify and checksum(landing.view) != header.checksum:
+            counters.inc("corrupt_transfers")
+            return FALLBACK, 0
+        return landing.finish(), n
+
+    def close(self) -> None:
+        """Drop the index mapping (the segment belongs to its Segment)."""
+        self.index.close()

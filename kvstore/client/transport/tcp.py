@@ -1,0 +1,118 @@
+"""TCP transport: payloads on the data socket, for clients on other hosts.
+
+A read is one GET frame naming the keys; the reply's metadata gives each block's header
+and the payloads follow back to back, each received with ``recv_into`` straight into the
+caller's tensor (``get_into``) or a fresh value (``get``, on recycled memory: see
+buffers.py) and checked against the header's xxh3, computed while the rest of the
+payload is still arriving (the receive polls rather than sleeps: see frames.py). A
+write is one PUT frame whose payloads are sent from the values' own memory (no staging
+copy); the server receives them into reserved slab extents and the node verifies each
+against the xxh3 computed here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from kvstore._proto import store_pb2 as pb
+from kvstore.blocks import BlockHeader, checksum_stream
+from kvstore.client.transport.base import Transport
+from kvstore.client.transport.buffers import fresh_landing, out_landing, prepare_writes
+from kvstore.client.transport.conn import DataConn
+from kvstore.errors import CorruptBlock, KVStoreError, TransportError
+from kvstore.observe.counters import NodeCounters
+from kvstore.wire.codec import error_of, meta_of
+from kvstore.wire.frames import Op
+
+__all__ = ["TcpTransport", "miss", "put_results", "receive_inline"]
+
+log = logging.getLogger(__name__)
+
+
+def miss(get_into: bool) -> Any:
+    """The per-key result of a miss."""
+    return False if get_into else None
+
+
+def receive_inline(
+    conn: DataConn, ref: pb.BlockRef, out: Any, get_into: bool, counters: NodeCounters
+) -> Any:
+    """Receive one block's payload from the socket; returns its per-key result."""
+    if not ref.found:
+        return error_of(ref.error) or miss(get_into)
+    try:
+        header = BlockHeader.unpack(ref.header)
+    except CorruptBlock as exc:  # its length is unknown: the stream cannot be resynced
+        conn.fs.broken = True
+        raise TransportError(f"data socket: corrupt block header in reply: {exc}") from exc
+    try:
+        landing = out_landing(header, out) if get_into else fresh_landing(header)
+    except KVStoreError as exc:
+        conn.discard(header.payload_len)
+        return exc
+    digest = checksum_stream()  # hashed while waiting for the rest to arrive
+    conn.recv_into(landing.view, spin=True, digest=digest)  # the server is sending it now
+    if digest.intdigest() != header.checksum:
+        counters.inc("corrupt_transfers")
+        log.warning(
+            "block %s failed its checksum after transfer; served as a miss", header.key.hex()
+        )
+        return miss(get_into)
+    return landing.finish()
+
+
+def put_results(resp: pb.PutResponse, sent: Sequence[Any], results: list[Any]) -> list[Any]:
+    """Merge a PutResponse into per-key results (``sent`` in request order)."""
+    if len(resp.results) != len(sent):
+        raise TransportError(f"{len(resp.results)} results for {len(sent)} values")
+    for item, r in zip(sent, resp.results, strict=True):
+        results[item.index] = error_of(r.error) or r.stored
+    return results
+
+
+class TcpTransport(Transport):
+    """Payloads on the socket."""
+
+    name = "tcp"
+
+    def read(
+        self,
+        conn: DataConn,
+        keys: Sequence[bytes],
+        outs: Sequence[Any] | None,
+        scope: pb.Scope,
+        deadline: float,
+    ) -> list[Any]:
+        resp, _ = conn.call(Op.GET, pb.GetRequest(scope=scope, keys=keys), pb.GetResponse, deadline)
+        if len(resp.blocks) != len(keys):
+            conn.fs.broken = True
+            raise TransportError(f"{len(resp.blocks)} blocks for {len(keys)} keys")
+        get_into = outs is not None
+        return [
+            receive_inline(
+                conn, ref, outs[i] if outs is not None else None, get_into, self.counters
+            )
+            for i, ref in enumerate(resp.blocks)
+        ]
+
+    def write(
+        self,
+        conn: DataConn,
+        keys: Sequence[bytes],
+        values: Sequence[Any],
+        scope: pb.Scope,
+        deadline: float,
+    ) -> list[Any]:
+        results: list[Any] = [None] * len(keys)
+        items = prepare_writes(keys, values, results, conn.info.limits.max_value_bytes)
+        if not items:
+            return results
+        req = pb.PutRequest(scope=scope)
+        for it in items:
+            req.items.add(key=it.key, meta=meta_of(it.info), checksum=it.sum)
+        body = [it.data for it in items]
+        total = sum(it.info.nbytes for it in items)
+        resp, _ = conn.call(Op.PUT, req, pb.PutResponse, deadline, body, total)
+        return put_results(resp, items, results)

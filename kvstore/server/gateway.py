@@ -1,0 +1,423 @@
+"""The tenant-scoped, limit-checked face of one StoreNode, shared by both front ends.
+
+The gRPC servicer (service.py) and the data-socket server (transport/dataserver.py)
+decode a request, authenticate its caller to a Principal and call this; nothing here
+knows a wire format. That keeps the rules in one place:
+
+- every key is scoped by the caller's tenant (``Principal.scope``) before the node sees
+  it, and the namespace checked against block headers is built from the request's model
+  and layout plus that tenant, never a tenant named by the request;
+- batch size and value size are checked before any byte moves;
+- shared-memory grants are leases (kvstore/server/leases.py), ended by release, by their data
+  connection closing, or by expiry;
+- while draining, writes are refused and reads keep working; a clustered server
+  also marks its directory record draining (``on_drain``), first, so clients stop
+  choosing this node for writes before it starts refusing them;
+- the service's half of the counter contract (kvstore/observe/names.py) is kept here:
+  bytes per transport path, per-tenant hits, misses and puts; the node never sees a
+  tenant, so nothing below this layer can count them.
+
+Methods are blocking (node calls may do SSD I/O) and thread-safe; callers on an event
+loop run them in a thread pool. The one coroutine, :meth:`Gateway.set_draining`, runs
+on the server's loop (where the directory lives).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvstore.blocks import ValueInfo
+from kvstore.config import ServerConfig
+from kvstore.errors import (
+    BlockTooLarge,
+    ConfigError,
+    InvalidValue,
+    KVStoreError,
+    LimitExceeded,
+    ReservationError,
+    StorageError,
+    Unavailable,
+)
+from kvstore.keys import Namespace
+from kvstore.layout import KVLayout
+from kvstore.node.store import BlockRead, Reservation, StoreNode
+from kvstore.observe.counters import NodeCounters, split_key
+from kvstore.server.leases import Lease, LeaseKind, LeaseTable
+from kvstore.server.namespaces import NamespaceRegistry
+from kvstore.tenants import Principal
+from kvstore.tiering import TierKind
+
+__all__ = ["Gateway", "ReadItem", "fill_target"]
+
+log = logging.getLogger(__name__)
+
+ReadItem = BlockRead | None | KVStoreError  # a pinned hit, a miss, or that key's failure
+
+
+class _FixedNamespace(Namespace):
+    """A Namespace whose layout and fingerprint are computed once.
+
+    The node asks for ``fingerprint()`` on every key it reads (about 9 us each); the
+    gateway builds one of these per (tenant, model, layout) and reuses it.
+    """
+
+    __slots__ = ("_fp", "_kl")
+    _fp: bytes
+    _kl: KVLayout
+
+    def __init__(self, model: str, layout: str, tenant: str) -> None:
+        super().__init__(model, layout, tenant)
+        object.__setattr__(self, "_kl", KVLayout.parse(layout))
+        object.__setattr__(self, "_fp", Namespace.fingerprint(self))
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return self._kl
+
+    def fingerprint(self, block_tokens: int | None = None) -> bytes:
+        if block_tokens is None:
+            return self._fp
+        return Namespace.fingerprint(self, block_tokens)
+
+
+def fill_target(res: Reservation) -> tuple[np.ndarray, Callable[[], None]]:
+    """A host uint8 array to fill a reservation through, and what to call once it is full.
+
+    A DRAM reservation is filled in place (the call is a no-op); an HBM one goes through
+    a host staging buffer copied to the device at the end.
+    """
+    payload = res.payload
+    if isinstance(payload, np.ndarray):
+        return payload, _nothing
+    staging = np.empty(res.info.nbytes, dtype=np.uint8)
+
+    def finish() -> None:
+        import torch
+
+        payload.copy_(torch.from_numpy(staging))
+
+    return staging, finish
+
+
+def _nothing() -> None:
+    return None
+
+
+class Gateway:
+    """Scoped, checked node operations for authenticated principals."""
+
+    def __init__(
+        self, node: StoreNode, config: ServerConfig, names: NamespaceRegistry | None = None
+    ) -> None:
+        self.node = node
+        self.config = config
+        self.max_value_bytes = node.config.max_value_bytes
+        self.leases = LeaseTable(config.lease_ttl_s, self._end_lease)
+        self.counters = NodeCounters()
+        self.gauges: dict[str, Callable[[], int]] = {}  # live values for stats (connections)
+        self.draining = False
+        # Tells the cluster directory (kvstore/server/membership.py); None when standalone.
+        self.on_drain: Callable[[bool], Awaitable[None]] | None = None
+        self._ns: dict[tuple[str, str, str], Namespace] = {}
+        self._ns_lock = threading.Lock()
+        # Fingerprint -> (tenant, model) of every scope resolved here (and of blocks a
+        # drain imported): how admin filters by tenant or model find blocks the node
+        # knows by fingerprint. Persisted beside the SSD tier when the server has one.
+        self.names = names if names is not None else NamespaceRegistry()
+
+    def close(self) -> None:
+        """End every lease (pins and reservations go back to the node); close the
+        namespace registry."""
+        self.leases.close()
+        self.names.close()
+
+    # -- checks ------------------------------------------------------------------------
+
+    def check_batch(self, n: int) -> None:
+        """Refuse a request naming more keys than ``max_batch``."""
+        if n > self.config.max_batch:
+            raise LimitExceeded(f"{n} keys in one request; max_batch is {self.config.max_batch}")
+
+    def check_value(self, info: ValueInfo) -> None:
+        """Refuse a value larger than the node's ``max_value_bytes``."""
+        if info.nbytes > self.max_value_bytes:
+            raise BlockTooLarge(
+                f"value of {info.nbytes} bytes exceeds max_value_bytes {self.max_value_bytes}"
+            )
+
+    def namespace(self, p: Principal, model: str, layout: str) -> Namespace | None:
+        """The caller's namespace: the request's model and layout, the token's tenant."""
+        if not model and not layout:
+            return None
+        key = (p.tenant, model, layout)
+        ns = self._ns.get(key)
+        if ns is None:
+            try:
+                ns = _FixedNamespace(model, layout, p.tenant)
+            except ConfigError as exc:
+                raise InvalidValue(f"bad scope: {exc}") from None
+            with self._ns_lock:
+                if len(self._ns) > 4096:
+                    self._ns.clear()
+                self._ns[key] = ns
+            self.names.add(ns.fingerprint(), p.tenant, model)  # a no-op once known
+        return ns
+
+    # -- accounting (the service's counters, kvstore/observe/names.py) --------------------
+
+    def count_reads(self, p: Principal, reads: Sequence[ReadItem]) -> None:
+        """Per-tenant hits (by the tier the read found) and misses of one request."""
+        tally: dict[str, int] = {}
+        for r in reads:
+            if isinstance(r, BlockRead):
+                name = f"hits_{(r.hit or r.tier).value}"
+            elif r is None:
+                name = "misses"
+            else:
+                continue  # a failed key is neither
+            tally[name] = tally.get(name, 0) + 1
+        for name, n in tally.items():
+            self.counters.inc(name, n, tenant=p.tenant)
+
+    def touch(self, p: Principal, keys: Sequence[bytes], nbytes: int) -> None:
+        """Account reads a same-host client served itself from the published DRAM
+        index (kvstore/shm/index.py): DRAM hits, bytes out over shm, recency."""
+        self.check_batch(len(keys))
+        self.node.touch(p.scope_all(keys))
+        self.counters.inc("hits_dram", len(keys), tenant=p.tenant)
+        self.count_out(p, "shm", nbytes)
+
+    def count_out(self, p: Principal, path: str, nbytes: int) -> None:
+        """Payload bytes handed to a reader over ``path`` (shm, tcp, grpc)."""
+        if nbytes:
+            self.counters.inc(f"bytes_out_{path}", nbytes)
+            self.counters.inc(f"bytes_out_{path}", nbytes, tenant=p.tenant)
+
+    def count_put(self, p: Principal, path: str, nbytes: int) -> None:
+        """A committed put of ``nbytes`` payload bytes over ``path``."""
+        c, t = self.counters, p.tenant
+        c.inc(f"bytes_in_{path}", nbytes)
+        c.inc(f"bytes_in_{path}", nbytes, tenant=t)
+        c.inc("puts", tenant=t)
+        c.inc("bytes_in", nbytes, tenant=t)
+
+    def _writable(self) -> None:
+        if self.draining:
+            raise Unavailable("server is draining: writes are refused, reads still work")
+
+    # -- metadata ----------------------------------------------------------------------
+
+    def exists(self, p: Principal, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each of the caller's keys is stored."""
+        self.check_batch(len(keys))
+        return self.node.exists(p.scope_all(keys))
+
+    def match_prefix(self, p: Principal, keys: Sequence[bytes]) -> int:
+        """How many of the caller's leading keys are stored."""
+        self.check_batch(len(keys))
+        return self.node.match_prefix(p.scope_all(keys))
+
+    def lookup(self, p: Principal, keys: Sequence[bytes]) -> list[str]:
+        """The tier of each key ("" when absent)."""
+        self.check_batch(len(keys))
+        tiers = [self.node.tier_of(k) for k in p.scope_all(keys)]
+        return [t.value if t is not None else "" for t in tiers]
+
+    def remove(self, p: Principal, keys: Sequence[bytes]) -> int:
+        """Remove the caller's blocks; how many were present."""
+        self.check_batch(len(keys))
+        return self.node.remove(p.scope_all(keys))
+
+    # -- reads -------------------------------------------------------------------------
+
+    def open_reads(
+        self, p: Principal, keys: Sequence[bytes], ns: Namespace | None, *, count: bool = True
+    ) -> list[ReadItem]:
+        """Pin each key (None on a miss, the error for a failed key); the caller must
+        :meth:`close_reads` the result, whatever happens in between. With ``count``
+        False the caller counts them (:meth:`count_reads`) once the reply is on its way:
+        accounting is not what the reader waits for."""
+        self.check_batch(len(keys))
+        scoped = p.scope_all(keys)
+        out: list[ReadItem] = []
+        try:
+            for k in scoped:
+                try:
+                    out.append(self.node.open_read(k, namespace=ns))
+                except KVStoreError as exc:
+                    out.append(exc)
+        except BaseException:
+            self.close_reads(out)
+            raise
+        if count:
+            self.count_reads(p, out)
+        return out
+
+    def close_reads(self, reads: Sequence[ReadItem]) -> None:
+        """Unpin what :meth:`open_reads` pinned (skipping leased ones is the caller's job)."""
+        for r in reads:
+            if isinstance(r, BlockRead):
+                self.node.close_read(r)
+
+    @staticmethod
+    def shm_offset(blk: BlockRead) -> int:
+        """Extent offset a same-host client may copy from, or -1 (SSD buffer, HBM)."""
+        return blk.offset if blk.tier is TierKind.DRAM else -1
+
+    def lease_read(self, p: Principal, blk: BlockRead, owner: int | None) -> Lease:
+        """Hand a pinned DRAM block to a same-host client under a read lease."""
+        return self.leases.grant(LeaseKind.READ, blk, p.tenant, owner)
+
+    def release_reads(self, p: Principal, lease_ids: Sequence[int]) -> tuple[int, int]:
+        """End read leases; returns (released, expired or unknown)."""
+        released = 0
+        for lid in lease_ids:
+            lease = self.leases.take(lid, p.tenant, LeaseKind.READ)
+            if lease is not None:
+                self.node.close_read(lease.obj)
+                released += 1
+        return released, len(lease_ids) - released
+
+    # -- writes ------------------------------------------------------------------------
+
+    def reserve(
+        self, p: Principal, key: bytes, info: ValueInfo, ns: Namespace | None
+    ) -> Reservation | None:
+        """Phase one of a put of the caller's key; None if it is already stored."""
+        self._writable()
+        self.check_value(info)
+        scoped = p.scope(key)
+        if self.node.exists([scoped])[0]:
+            return None
+        return self.node.reserve(scoped, info, namespace=ns)
+
+    def commit(self, p: Principal, res: Reservation, checksum: int, path: str) -> bool:
+        """Phase two: the node verifies the payload's xxh3 against the writer's; a
+        stored block is counted for ``p`` on ``path``."""
+        try:
+            stored = self.node.commit(res, expected_checksum=checksum)
+        except KVStoreError:
+            self.counters.inc("rejected_commits")
+            raise
+        if stored:
+            self.count_put(p, path, res.info.nbytes)
+        return stored
+
+    def abort(self, res: Reservation) -> None:
+        """Drop a reservation and free its space."""
+        self.node.abort(res)
+
+    def reserve_leased(
+        self, p: Principal, key: bytes, info: ValueInfo, ns: Namespace | None, owner: int | None
+    ) -> Lease | None:
+        """Reserve for a same-host writer (the extent must be in the DRAM segment)."""
+        if self.node.tiers[0] is not TierKind.DRAM:
+            raise StorageError("shared-memory writes need a DRAM top tier; use the data socket")
+        res = self.reserve(p, key, info, ns)
+        if res is None:
+            return None
+        return self.leases.grant(LeaseKind.WRITE, res, p.tenant, owner)
+
+    def commit_leased(self, p: Principal, lease_id: int, checksum: int) -> bool:
+        """Commit a same-host write; an expired or unknown lease is a ReservationError."""
+        lease = self.leases.take(lease_id, p.tenant, LeaseKind.WRITE)
+        if lease is None:
+            raise ReservationError("reservation lease expired or unknown; write it again")
+        return self.commit(p, lease.obj, checksum, "shm")
+
+    def abort_leased(self, p: Principal, lease_ids: Sequence[int]) -> tuple[int, int]:
+        """Abort same-host writes; returns (aborted, expired or unknown)."""
+        n = 0
+        for lid in lease_ids:
+            lease = self.leases.take(lid, p.tenant, LeaseKind.WRITE)
+            if lease is not None:
+                self.node.abort(lease.obj)
+                n += 1
+        return n, len(lease_ids) - n
+
+    def put_inline(
+        self,
+        p: Principal,
+        key: bytes,
+        info: ValueInfo,
+        payload: bytes,
+        checksum: int,
+        ns: Namespace | None,
+    ) -> bool:
+        """A whole put from bytes already in memory (the gRPC inline path)."""
+        if len(payload) != info.nbytes:
+            raise InvalidValue(f"payload is {len(payload)} bytes, meta says {info.nbytes}")
+        res = self.reserve(p, key, info, ns)
+        if res is None:
+            return False
+        try:
+            target, finish = fill_target(res)
+            np.copyto(target, np.frombuffer(payload, dtype=np.uint8))
+            finish()
+        except BaseException:
+            self.abort(res)
+            raise
+        return self.commit(p, res, checksum, "grpc")
+
+    def _end_lease(self, lease: Lease) -> None:
+        if lease.kind is LeaseKind.READ:
+            self.node.close_read(lease.obj)
+        else:
+            self.node.abort(lease.obj)
+
+    # -- admin -------------------------------------------------------------------------
+
+    def stats(self, p: Principal) -> tuple[dict[str, Any], dict[str, int]]:
+        """Node stats and server counters (any authenticated caller: no keys in them).
+
+        Per-tenant counters name tenants, so a non-admin caller sees only its own."""
+        server = self.counters.snapshot()
+        if not p.admin:
+            server = {k: v for k, v in server.items() if split_key(k)[1] in (None, p.tenant)}
+        server.update({name: fn() for name, fn in self.gauges.items()})
+        server["leases"] = len(self.leases)
+        server["leases_expired"] = self.leases.expired
+        server["draining"] = int(self.draining)
+        return self.node.stats(), server
+
+    def tier(self, name: str) -> TierKind:
+        """This node's tier called ``name``; InvalidValue naming the tiers it has."""
+        try:
+            kind = TierKind(name)
+        except ValueError:
+            kind = None
+        if kind is None or kind not in self.node.tiers:
+            have = ", ".join(t.value for t in self.node.tiers)
+            raise InvalidValue(f"this node has no {name!r} tier (it has {have})")
+        return kind
+
+    async def set_draining(self, p: Principal, draining: bool) -> bool:
+        """Admin: refuse (or accept again) new writes, and tell the cluster directory.
+
+        Going into a drain the directory record changes first, so clients move their
+        writes elsewhere before this node refuses them; leaving one, writes are taken
+        again before the record says so. The local state always follows the request:
+        when the directory cannot be written the error is raised after it changed, and
+        the directory catches up on its own (the registration keeps the state)."""
+        p.require_admin("drain")
+        hook = self.on_drain
+        try:
+            if draining and hook is not None:
+                await hook(True)
+        finally:
+            self.drain(p, draining)
+        if not draining and hook is not None:
+            await hook(False)
+        return self.draining
+
+    def drain(self, p: Principal, draining: bool) -> bool:
+        """Admin: refuse (or accept again) new writes on this node only."""
+        p.require_admin("drain")
+        self.draining = draining
+        log.info("draining %s", "on" if draining else "off")
+        return self.draining

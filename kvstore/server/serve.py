@@ -1,0 +1,337 @@
+"""StoreServer: one StoreNode behind gRPC (control) and the data socket (bytes), and
+the ``kvstore serve`` command.
+
+Start-up validates everything before listening: the node and server configs (defaults <
+``--config`` file < ``KVSTORE_*`` env < flags), the tokens file, the TLS files and both
+ports; each bad setting is a one-line error naming it. Shutdown (SIGTERM, SIGINT or
+:meth:`StoreServer.stop`) stops accepting, closes data connections (ending their leases
+and aborting half-received writes), then closes the node, whose SSD tier is reopened
+and re-announced by the next start, with the namespace names kept beside it
+(kvstore/server/namespaces.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import secrets
+import signal
+import ssl
+import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+
+from kvstore._proto import store_pb2 as pb
+from kvstore._proto import store_pb2_grpc as pb_grpc
+from kvstore.config import NodeConfig, ServerConfig, load_layered, read_config_file
+from kvstore.errors import ConfigError
+from kvstore.node.store import StoreNode
+from kvstore.server.auth import TokenTable
+from kvstore.server.dataserver import DataServer
+from kvstore.server.gateway import Gateway
+from kvstore.server.membership import Membership, node_record
+from kvstore.server.namespaces import NamespaceRegistry
+from kvstore.server.service import StoreServicer
+from kvstore.tenants import Principal
+from kvstore.wire.locality import host_id, hostname
+
+__all__ = ["StoreServer", "add_parser", "load_configs"]
+
+log = logging.getLogger(__name__)
+VERSION = "0.1.0"
+
+
+class StoreServer:
+    """Serves one node. ``await start()``, then ``await stop()`` (or ``serve()``)."""
+
+    def __init__(self, node_config: NodeConfig, config: ServerConfig) -> None:
+        self.node_config = node_config
+        self.config = config
+        self.tokens = TokenTable.from_config(config)  # refuses a bad tokens file now
+        self.instance_id = secrets.token_hex(8)
+        self.port = 0
+        self.data_port = 0
+        self.metrics_port = -1  # the bound /metrics port once started; -1: none
+        self._metrics: Any = None  # kvstore.observe.prometheus.MetricsServer when metrics_port >= 0
+        self.node: StoreNode | None = None
+        self._shm_size = 0
+        self._shm_index = ""  # the published DRAM index (kvstore/shm/index.py)
+        self._grpc: grpc.aio.Server | None = None
+        self._data: DataServer | None = None
+        self._gateway: Gateway | None = None
+        self.membership: Membership | None = None
+        self._pool = ThreadPoolExecutor(config.workers, thread_name_prefix="kvstore-rpc")
+        self._tls = _tls_context(config)
+
+    async def start(self) -> None:
+        """Open the node and both listeners; ports are known when this returns."""
+        c = self.config
+        self.node = StoreNode(self.node_config)
+        self._shm_size = int(self.node.stats()["tiers"].get("dram", {}).get("capacity", 0))
+        try:
+            self._shm_index = self.node.publish_index()
+            names = NamespaceRegistry.open(self.node_config.ssd_path)  # beside SSD blocks
+            gw = self._gateway = Gateway(self.node, c, names)
+            gw.leases.start_reaper()
+            self._data = DataServer(gw, self.tokens, self.info, c, self._tls)
+            self.data_port = self._data.start(f"kvstore-{self.node.node_id}-{self.instance_id}")
+            self._grpc = grpc.aio.server(self._pool, options=_grpc_options(c))
+            servicer = StoreServicer(gw, self.tokens, self.info, self._pool)
+            pb_grpc.add_StoreServicer_to_server(servicer, self._grpc)
+            self.port = self._bind_grpc()
+            await self._grpc.start()
+            self._start_metrics(gw)
+            await self._join()
+        except BaseException:
+            await self.stop()
+            raise
+        log.info(
+            "serving node %s on %s:%d (data %d)",
+            self.node.node_id,
+            c.host,
+            self.port,
+            self.data_port,
+        )
+
+    async def _join(self) -> None:
+        """Register in the cluster directory (``--etcd``), or just drain node events."""
+        assert self.node is not None
+        assert self._gateway is not None
+        info = node_record(self.node, self.config, self.port, self.data_port, self.instance_id)
+        info = dataclasses.replace(info, draining=self._gateway.draining)
+        self.membership = Membership(self.node, self.config, info)
+        self._gateway.on_drain = self.membership.set_draining  # Drain RPC -> directory
+        await self.membership.start()
+
+    def _start_metrics(self, gw: Gateway) -> None:
+        """Serve Prometheus ``/metrics`` (``metrics_port`` >= 0): node + gateway books."""
+        c = self.config
+        if c.metrics_port < 0:
+            return
+        try:
+            from kvstore.observe.prometheus import MetricsServer, node_registry
+        except ImportError:
+            raise ConfigError(
+                "metrics_port: needs prometheus-client (pip install 'kvstore[metrics]')"
+            ) from None
+        assert self.node is not None
+        registry = node_registry(self.node, counters=[gw.counters], gauges=gw.gauges)
+        self._metrics = MetricsServer(registry, host=c.metrics_host, port=c.metrics_port)
+        self.metrics_port = self._metrics.start().port
+
+    def _bind_grpc(self) -> int:
+        assert self._grpc is not None
+        c = self.config
+        addr = f"[{c.host}]:{c.port}" if ":" in c.host else f"{c.host}:{c.port}"
+        try:
+            if c.tls:
+                with open(c.tls_key, "rb") as k, open(c.tls_cert, "rb") as crt:
+                    creds = grpc.ssl_server_credentials([(k.read(), crt.read())])
+                port = self._grpc.add_secure_port(addr, creds)
+            else:
+                port = self._grpc.add_insecure_port(addr)
+        except RuntimeError as exc:
+            raise ConfigError(f"port: cannot listen on {addr} ({exc})") from None
+        if port == 0:
+            raise ConfigError(f"port: cannot listen on {addr} (in use?)")
+        return port
+
+    def info(self, p: Principal) -> pb.InfoResponse:
+        """What a client learns at connect time (its own tenant included)."""
+        assert self.node is not None and self._gateway is not None
+        c, node = self.config, self.node
+        return pb.InfoResponse(
+            version=VERSION,
+            node_id=node.node_id,
+            tenant=p.tenant,
+            admin=p.admin,
+            host_id=host_id(),
+            hostname=hostname(),
+            data_port=self.data_port,
+            shm_name=node.shm_name or "",
+            shm_size=self._shm_size,
+            shm_index=self._shm_index,
+            lease_ttl_ms=int(c.lease_ttl_s * 1000),
+            limits=pb.Limits(
+                max_value_bytes=node.config.max_value_bytes,
+                max_batch=c.max_batch,
+                max_message_bytes=c.max_message_bytes,
+                max_inline_bytes=c.max_inline_bytes,
+            ),
+            tiers=[t.value for t in node.tiers],
+            instance_id=self.instance_id,
+            draining=self._gateway.draining,
+            unix_socket=self._data.unix_name if self._data is not None else "",
+        )
+
+    async def stop(self, grace: float = 1.0) -> None:
+        """Leave the cluster, stop listening, end connections and leases, close the
+        node; idempotent."""
+        if self.membership is not None:
+            await self.membership.stop()
+            self.membership = None
+        if self._metrics is not None:
+            self._metrics.stop()
+            self._metrics = None
+        if self._grpc is not None:
+            await self._grpc.stop(grace)
+            self._grpc = None
+        if self._data is not None:
+            self._data.close()
+            self._data = None
+        if self._gateway is not None:
+            self._gateway.close()
+            self._gateway = None
+        if self.node is not None:
+            self.node.close()
+            self.node = None
+        self._pool.shutdown(wait=False)
+
+    async def serve(self, ready: Callable[[StoreServer], None] | None = None) -> None:
+        """Start, call ``ready``, run until SIGTERM/SIGINT, then stop."""
+        await self.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            if ready is not None:
+                ready(self)
+            await stop.wait()
+        finally:
+            await self.stop()
+
+
+def _grpc_options(c: ServerConfig) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_receive_message_length", c.max_message_bytes),
+        ("grpc.max_send_message_length", c.max_message_bytes),
+        ("grpc.so_reuseport", 0),  # never share a port with another server by accident
+    ]
+
+
+def _tls_context(c: ServerConfig) -> ssl.SSLContext | None:
+    if not c.tls:
+        return None
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(c.tls_cert, c.tls_key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"tls_cert/tls_key: cannot load ({exc})") from None
+    return ctx
+
+
+# -- kvstore serve ------------------------------------------------------------------------
+
+_NODE_FLAGS = {
+    "node_id": "node id in the cluster",
+    "dram_bytes": "DRAM tier size, e.g. 4GiB",
+    "hbm_bytes": "HBM tier size (needs CUDA)",
+    "ssd_path": "SSD tier directory",
+    "ssd_bytes": "SSD tier size",
+    "policy": "eviction policy: lru, fifo, s3fifo",
+    "max_value_bytes": "largest block accepted",
+    "shm_name": "name of the DRAM segment under /dev/shm",
+}
+_SERVER_FLAGS = {
+    "host": "address to bind (default 127.0.0.1)",
+    "port": "gRPC port (default 7400; 0 picks one)",
+    "data_port": "data-socket port (default 0: pick one)",
+    "tokens_file": "TOML/JSON [[tokens]] file: token, tenant, admin",
+    "tls_cert": "PEM certificate (enables TLS)",
+    "tls_key": "PEM private key",
+    "max_batch": "most keys per request",
+    "max_message_bytes": "largest gRPC message / frame metadata",
+    "max_inline_bytes": "most inline payload bytes per gRPC Get/Put",
+    "lease_ttl_s": "lifetime of a shared-memory lease, seconds",
+    "io_timeout_s": "a started frame must finish within this, seconds",
+    "data_poll_us": "poll this long for a lone client's next request (default 100; 0: off)",
+    "workers": "threads for blocking node calls",
+    "etcd": "HOST:PORT of the cluster directory (default: standalone)",
+    "cluster": "cluster name in the directory (default 'default')",
+    "node_lease_ttl_s": "directory lease of this node, seconds (default 10)",
+    "advertise_host": "host other nodes and clients dial (default: --host)",
+    "metrics_host": "address of the Prometheus endpoint (default 127.0.0.1)",
+    "metrics_port": "Prometheus /metrics port (default -1: off; 0 picks one)",
+}
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``kvstore serve``."""
+    p = sub.add_parser(
+        "serve",
+        help="serve a store node over gRPC and the data socket",
+        description="Serve one store node. Settings: defaults < --config file < KVSTORE_* "
+        "environment < flags. The auth token is read from KVSTORE_AUTH_TOKEN or a tokens "
+        "file, never from a flag (flags show up in ps).",
+        epilog="example: KVSTORE_AUTH_TOKEN=$(openssl rand -hex 16) kvstore serve "
+        "--dram-bytes 4GiB --ssd-path /var/lib/kvstore --ssd-bytes 200GiB",
+    )
+    p.add_argument("--config", help="TOML or JSON file with [node] and [server] tables")
+    for name, text in {**_NODE_FLAGS, **_SERVER_FLAGS}.items():
+        p.add_argument("--" + name.replace("_", "-"), dest=name, help=text)
+    p.add_argument(
+        "--allow-anonymous",
+        action="store_true",
+        default=None,
+        help="accept calls without a token as tenant 'default' (local tests)",
+    )
+    p.add_argument("--json", action="store_true", help="print the ready line as JSON")
+    p.set_defaults(func=_cmd_serve)
+
+
+def load_configs(
+    args: dict[str, Any], env: dict[str, str] | None = None
+) -> tuple[NodeConfig, ServerConfig]:
+    """Node and server configs from a config file path, flags and the environment."""
+    file = read_config_file(args["config"]) if args.get("config") else {"node": {}, "server": {}}
+    node_flags = {k: args.get(k) for k in _NODE_FLAGS}
+    server_flags = {k: args.get(k) for k in (*_SERVER_FLAGS, "allow_anonymous")}
+    node = load_layered(NodeConfig, env=env, file_values=file["node"], flags=node_flags)
+    server = load_layered(ServerConfig, env=env, file_values=file["server"], flags=server_flags)
+    return node, server
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    node_cfg, cfg = load_configs(vars(args))
+    server = StoreServer(node_cfg, cfg)
+
+    def ready(s: StoreServer) -> None:
+        assert s.node is not None
+        facts = {
+            "event": "ready",
+            "host": cfg.host,
+            "port": s.port,
+            "data_port": s.data_port,
+            "shm_name": s.node.shm_name,
+            "node_id": s.node.node_id,
+            "tls": cfg.tls,
+            "pid": os.getpid(),
+            "cluster": cfg.cluster if cfg.etcd else None,
+            "address": s.membership.info.address if s.membership else None,
+            "metrics_port": s.metrics_port if s.metrics_port >= 0 else None,
+        }
+        if args.json:
+            print(json.dumps(facts), flush=True)
+        else:
+            print(
+                f"kvstore serve: node {facts['node_id']} on {cfg.host}:{s.port} "
+                f"(data port {s.data_port}, tls {'on' if cfg.tls else 'off'}"
+                + (f", metrics port {s.metrics_port})" if s.metrics_port >= 0 else ")"),
+                flush=True,
+            )
+
+    asyncio.run(server.serve(ready))
+    print("kvstore serve: stopped", file=sys.stderr, flush=True)
+    return 0

@@ -1,0 +1,2 @@
+"""What crosses a process boundary: data-socket frames, protobuf codecs, the gRPC error
+mapping, bearer credentials, locality and bounded polling. Both ends import it."""
