@@ -1,0 +1,281 @@
+"""One worker's engine: a model on one thread serving prefill, decode and generate.
+
+All model work runs on a single executor thread, one forward at a time, which is
+what a CPU (or one accelerator) can do anyway. A prefill is one job; a decode is one
+job per token, so concurrent decodes interleave token by token and a prefill waits
+at most one decode step. The asyncio side (the HTTP app) only awaits these jobs.
+
+Load is accounted here, where it happens, and reported through ``on_load`` (the
+worker's etcd registration): prompt tokens waiting for or in prefill, requests
+running, and KV tokens reserved by running decodes out of ``kv_capacity_tokens``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.hf import HFKVAdapter
+from engine.scheduler import PrefillModel, PrefillSample, fit_prefill_model
+from engine.serving.loading import LoadedModel
+from engine.serving.registry import WorkerLoad
+from engine.serving.stores import GuardedStore, HandoffReader
+from engine.workers import DecodeWorker, Handoff, PrefillWorker, greedy_continue
+from kvstore.errors import KVStoreError
+
+__all__ = ["Faults", "WorkerEngine", "calibrate_prefill"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Faults:
+    """Injected delays, for fault tests: a prefill that takes long enough to be
+    killed mid-request, a decode slow enough to be killed mid-stream. Off by default."""
+
+    prefill_delay_s: float = 0.0
+    token_delay_s: float = 0.0
+
+
+@dataclass(slots=True)
+class _Load:
+    queued_tokens: int = 0
+    running: int = 0
+    reserved_kv: int = 0
+
+
+class WorkerEngine:
+    """The model, its adapter, and the stores one worker uses.
+
+    ``local`` is the guarded client of the store node beside the worker (prefills read
+    their prefix there and write new blocks there); ``cluster`` a cluster-wide client
+    for decode reads (nearest replica); ``source_client(node_id)`` the guarded client
+    of another node, for reading a handoff the directory has not caught up with.
+    """
+
+    def __init__(
+        self,
+        lm: LoadedModel,
+        *,
+        local: GuardedStore | None,
+        cluster: Any = None,
+        source_client: Callable[[str], GuardedStore | None] = lambda _n: None,
+        store_node: str = "",
+        kv_capacity_tokens: int = 65536,
+        block_tokens: int = 16,
+        faults: Faults = Faults(),
+        on_load: Callable[[WorkerLoad], None] | None = None,
+    ) -> None:
+        self.lm = lm
+        self.adapter = HFKVAdapter(lm.model, model_id=lm.name, block_tokens=block_tokens)
+        self.local, self.cluster = local, cluster
+        self.source_client = source_client
+        self.store_node = store_node
+        self.kv_capacity_tokens = kv_capacity_tokens
+        self.faults = faults
+        self.on_load = on_load
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="model")
+        self._load = _Load()
+        self.counters: dict[str, int] = {
+            "prefills": 0, "decodes": 0, "generates": 0, "tail_recomputed": 0,
+            "handoff_from_cluster": 0, "handoff_from_source": 0,
+        }  # fmt: skip
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.adapter.layout.block_bytes() // self.adapter.block_tokens
+
+    def load(self) -> WorkerLoad:
+        ld = self._load
+        free = max(self.kv_capacity_tokens - ld.reserved_kv, 0)
+        return WorkerLoad(ld.queued_tokens, ld.running, free, self.kv_capacity_tokens)
+
+    def _changed(self) -> None:
+        if self.on_load is not None:
+            self.on_load(self.load())
+
+    async def _run(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- prefill ---------------------------------------------------------------------------
+
+    def _prefiller(self) -> PrefillWorker:
+        return PrefillWorker(self.adapter, self.local if self.local is not None else _NoStore())
+
+    async def prefill(self, request_id: str, prompt: Sequence[int]) -> dict[str, Any]:
+        """Prefill for another worker to decode: the handoff as plain data."""
+        h, _ = await self._prefill(request_id, prompt, handoff=True)
+        self.counters["prefills"] += 1
+        return {"handoff": h.to_dict(), "source_node": self.store_node}
+
+    async def _prefill(self, rid: str, prompt: Sequence[int], *, handoff: bool) -> Any:
+        n = len(prompt)
+        self._load.queued_tokens += n
+        self._load.running += 1
+        self._changed()
+        try:
+            if self.faults.prefill_delay_s:
+                await asyncio.sleep(self.faults.prefill_delay_s)
+            pw = self._prefiller()
+            return await self._run(lambda: pw.prefill_with_cache(rid, prompt, handoff=handoff))
+        finally:
+            self._load.queued_tokens -= n
+            self._load.running -= 1
+            self._changed()
+
+    # -- decode ----------------------------------------------------------------------------
+
+    async def decode(
+        self, handoff: dict[str, Any], source_node: str, max_tokens: int, stop_ids: Sequence[int]
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Continue a handoff: yields ``{"token": id}`` per token after the first
+        (the router already sent the first), then ``{"done": ...}``."""
+        h = Handoff.from_dict(handoff)
+        source = self.source_client(source_node) if source_node else None
+        reader = HandoffReader(self.cluster, source)
+        dw = DecodeWorker(self.adapter, reader)
+        gen_box: list[Iterator[int]] = []
+
+        def start() -> int:
+            gen = dw.decode(h, max_tokens + 1, set(stop_ids))
+            gen_box.append(gen)
+            first = next(gen)
+            if source is not None and h.scoped:  # short-lived: gone once loaded
+                try:
+                    source.remove(h.scoped_keys())
+                except KVStoreError as exc:
+                    log.info("could not remove request-scoped blocks (%s)", exc)
+            return first
+
+        self.counters["decodes"] += 1
+        async for item in self._stream(
+            len(h.prompt) + max_tokens, start, gen_box, max_tokens, stop_ids, skip_first=True
+        ):
+            yield item
+        self.counters["tail_recomputed"] += dw.tail_recomputed
+        self.counters["handoff_from_cluster"] += reader.from_cluster
+        self.counters["handoff_from_source"] += reader.from_source
+
+    async def generate(
+        self, request_id: str, prompt: Sequence[int], max_tokens: int, stop_ids: Sequence[int]
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Prefill and decode here (short prompts): ``{"prefill": ...}``, then every
+        token, then ``{"done": ...}``."""
+        h, cache = await self._prefill(request_id, prompt, handoff=False)
+        self.counters["generates"] += 1
+        yield {
+            "prefill": {
+                "cached_tokens": h.stats.cached_blocks * self.adapter.block_tokens,
+                "prefill_s": h.stats.ttft_s,
+            }
+        }
+        gen_box = [greedy_continue(self.lm.model, cache, h.first_token, max_tokens, set(stop_ids))]
+        async for item in self._stream(
+            len(prompt) + max_tokens,
+            lambda: next(gen_box[0]),
+            gen_box,
+            max_tokens,
+            stop_ids,
+            skip_first=False,
+        ):
+            yield item
+
+    async def _stream(
+        self,
+        reserve: int,
+        start: Callable[[], int],
+        gen_box: list[Iterator[int]],
+        max_tokens: int,
+        stop_ids: Sequence[int],
+        *,
+        skip_first: bool,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Run a token generator one step per executor job, accounting its KV."""
+        self._load.running += 1
+        self._load.reserved_kv += reserve
+        self._changed()
+        stop = set(stop_ids)
+        n, reason = 0, "length"
+        try:
+            tok: int | None = await self._run(start)
+            if skip_first:
+                n = 1
+                if tok in stop:
+                    yield {"done": True, "finish_reason": "stop", "completion_tokens": n}
+                    return
+                tok = await self._run(lambda: next(gen_box[0], None))
+            while tok is not None and n < max_tokens:
+                n += 1
+                yield {"token": tok}
+                if tok in stop:
+                    reason = "stop"
+                    break
+                if n >= max_tokens:
+                    break
+                if self.faults.token_delay_s:
+                    await asyncio.sleep(self.faults.token_delay_s)
+                tok = await self._run(lambda: next(gen_box[0], None))
+            yield {"done": True, "finish_reason": reason, "completion_tokens": n}
+        finally:
+            self._load.running -= 1
+            self._load.reserved_kv -= reserve
+            self._changed()
+
+
+class _NoStore:
+    """A worker without a store node: every lookup misses, nothing is kept."""
+
+    def put(self, key: bytes, value: Any, *, namespace: Any = None) -> bool:
+        raise KVStoreError("this worker has no store node")
+
+    def get_into(self, key: bytes, out: Any, *, namespace: Any = None) -> bool:
+        return False
+
+    def match_prefix(self, keys: Sequence[bytes]) -> int:
+        return 0
+
+
+CALIBRATION_POINTS: tuple[tuple[int, int], ...] = (
+    (32, 0), (128, 0), (256, 0), (256, 128), (512, 0), (512, 384), (1024, 0), (1024, 768),
+)  # fmt: skip
+
+
+@torch.inference_mode()
+def calibrate_prefill(
+    model: Any, vocab: int, max_tokens: int, points: Sequence[tuple[int, int]] = CALIBRATION_POINTS
+) -> PrefillModel:
+    """Fit the scheduler's prefill time model on this worker's own model and CPU.
+
+    Each point times a forward of ``P - C`` new tokens against ``C`` cached ones
+    (median of 3, after one warm-up), the way a prefill with a cache hit runs.
+    """
+    from transformers import DynamicCache
+
+    gen = torch.Generator().manual_seed(0)
+    samples = []
+    model(input_ids=torch.zeros(1, 16, dtype=torch.long), logits_to_keep=1)
+    for p, c in points:
+        if p > max_tokens:
+            continue
+        ids = torch.randint(0, vocab, (1, p), generator=gen)
+        times = []
+        for _ in range(3):
+            cache = DynamicCache(config=model.config)
+            if c:
+                model(input_ids=ids[:, :c], past_key_values=cache, logits_to_keep=1)
+            t0 = time.perf_counter()
+            model(input_ids=ids[:, c:], past_key_values=cache, logits_to_keep=1)
+            times.append(time.perf_counter() - t0)
+        samples.append(PrefillSample(p, c, statistics.median(times)))
+    return fit_prefill_model(samples, source="worker calibration at start")

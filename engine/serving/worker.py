@@ -1,0 +1,310 @@
+"""``kvstore worker``: one model behind an HTTP API that the router calls.
+
+Endpoints (JSON in; NDJSON out for the streaming ones, one object per line):
+
+- ``POST /prefill {request_id, prompt}`` -> ``{handoff, source_node}``: compute the
+  prompt reusing the local store node's prefix, write its new blocks there, hand off.
+- ``POST /decode {handoff, source_node, max_tokens, stop_ids}`` -> ``{"token": id}``
+  lines for every token after the handoff's first, then ``{"done": ...}``.
+- ``POST /generate {request_id, prompt, max_tokens, stop_ids}`` -> ``{"prefill": ...}``,
+  every token, ``{"done": ...}``: both phases here (short prompts).
+- ``GET /health`` -> the worker's record and counters.
+
+A stream that ends without its ``done`` line was cut (the worker died): the router
+turns that into an error for its client, never into a short answer.
+
+The process registers in etcd (engine/serving/registry.py) once it serves, prints one
+JSON ready line on stdout, and revokes its lease on SIGTERM / SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import re
+import socket
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from engine.serving.registry import ROLES, WorkerRecord, WorkerRegistration
+from engine.serving.runtime import Faults, WorkerEngine
+
+__all__ = ["add_arguments", "build_app", "main", "run_worker"]
+
+log = logging.getLogger(__name__)
+_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    try:
+        data = await request.json()
+    except ValueError as exc:
+        raise _BadRequest(f"malformed JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise _BadRequest("the body must be a JSON object")
+    return data
+
+
+class _BadRequest(Exception):
+    pass
+
+
+def _ints(value: Any, what: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) for t in value):
+        raise _BadRequest(f"{what} must be a list of token ids")
+    return value
+
+
+def _ndjson(items: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    async def lines() -> AsyncIterator[bytes]:
+        async for item in items:
+            yield json.dumps(item, separators=(",", ":")).encode() + b"\n"
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+def build_app(
+    engine: WorkerEngine, record: WorkerRecord, reg: WorkerRegistration | None
+) -> Starlette:
+    """The worker's ASGI app; ``reg`` (when given) registers on start, revokes on stop."""
+
+    async def health(_request: Request) -> Response:
+        return JSONResponse(
+            {
+                "worker_id": record.worker_id,
+                "role": record.role,
+                "model": record.model,
+                "load": dataclasses.asdict(engine.load()),
+                "counters": engine.counters,
+                "store_up": engine.local.up if engine.local is not None else None,
+            }
+        )
+
+    async def prefill(request: Request) -> Response:
+        if not record.can_prefill:
+            return _error(409, f"worker {record.worker_id} is a {record.role} worker")
+        try:
+            body = await _body(request)
+            prompt = _ints(body.get("prompt"), "prompt")
+            if not prompt:
+                raise _BadRequest("empty prompt")
+        except _BadRequest as exc:
+            return _error(400, str(exc))
+        rid = str(body.get("request_id") or uuid.uuid4().hex)
+        return JSONResponse(await engine.prefill(rid, prompt))
+
+    async def decode(request: Request) -> Response:
+        if not record.can_decode:
+            return _error(409, f"worker {record.worker_id} is a {record.role} worker")
+        try:
+            body = await _body(request)
+            handoff = body.get("handoff")
+            if not isinstance(handoff, dict):
+                raise _BadRequest("handoff must be an object")
+            max_tokens = int(body.get("max_tokens", 16))
+            stop_ids = _ints(body.get("stop_ids", []), "stop_ids")
+        except (_BadRequest, ValueError, TypeError) as exc:
+            return _error(400, str(exc))
+        src = str(body.get("source_node") or "")
+        return _ndjson(engine.decode(handoff, src, max_tokens, stop_ids))
+
+    async def generate(request: Request) -> Response:
+        if not record.can_decode:
+            return _error(409, f"worker {record.worker_id} is a {record.role} worker")
+        try:
+            body = await _body(request)
+            prompt = _ints(body.get("prompt"), "prompt")
+            if not prompt:
+                raise _BadRequest("empty prompt")
+            max_tokens = int(body.get("max_tokens", 16))
+            stop_ids = _ints(body.get("stop_ids", []), "stop_ids")
+        except (_BadRequest, ValueError, TypeError) as exc:
+            return _error(400, str(exc))
+        rid = str(body.get("request_id") or uuid.uuid4().hex)
+        return _ndjson(engine.generate(rid, prompt, max_tokens, stop_ids))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Starlette) -> AsyncIterator[None]:
+        if reg is not None:
+            engine.on_load = reg.update_load
+            await reg.start(record)
+        try:
+            yield
+        finally:
+            if reg is not None:
+                await reg.stop()
+            engine.close()
+
+    return Starlette(
+        routes=[
+            Route("/health", health, methods=["GET"]),
+            Route("/prefill", prefill, methods=["POST"]),
+            Route("/decode", decode, methods=["POST"]),
+            Route("/generate", generate, methods=["POST"]),
+        ],
+        lifespan=lifespan,
+    )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``kvstore worker`` (also ``python -m engine.serving.worker``)."""
+    p.add_argument("--role", choices=ROLES, required=True, help="prefill, decode or both")
+    p.add_argument("--model", default="tiny", help="tiny, smollm2 or a local model directory")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument(
+        "--etcd",
+        default=os.environ.get("KVSTORE_ETCD", "127.0.0.1:2379"),
+        help="etcd HOST:PORT (KVSTORE_ETCD)",
+    )
+    p.add_argument("--cluster", default="default", help="cluster name in etcd")
+    p.add_argument("--store-node", default="", help="id of the store node beside this worker")
+    p.add_argument("--worker-id", default="", help="unique id (default: role + random)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=int, default=0, help="HTTP port (0 picks one)")
+    p.add_argument("--advertise-host", default="", help="host the router dials (default --host)")
+    p.add_argument("--zone", default="", help="topology label (rack, zone) for placement")
+    p.add_argument("--kv-tokens", type=int, default=65536, help="KV capacity for decodes, tokens")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1: deterministic)")
+    p.add_argument("--tiny-layers", type=int, default=2, help="layers of the tiny model")
+    p.add_argument("--lease-ttl-s", type=int, default=10, help="etcd lease of the record")
+    p.add_argument(
+        "--no-calibrate",
+        action="store_true",
+        help="skip timing prefill at start (the router then uses its default model)",
+    )
+    p.add_argument("--inject-prefill-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--inject-token-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _store_clients(args: argparse.Namespace, namespace: Any) -> tuple[Any, Any, Any]:
+    """(cluster client, local guarded store, node id -> guarded store)."""
+    from engine.serving.stores import GuardedStore
+    from kvstore import StoreClient
+
+    fast = {"timeout_s": 2.0, "connect_timeout_s": 2.0, "retries": 0}
+    cluster = StoreClient.from_etcd(args.etcd, cluster=args.cluster, namespace=namespace, **fast)
+    guarded: dict[str, GuardedStore] = {}
+
+    def node_client(node_id: str) -> GuardedStore | None:
+        if node_id not in guarded:
+
+            def connect(nid: str = node_id) -> Any:
+                info = cluster.nodes().get(nid)
+                if info is None:
+                    from kvstore.errors import Unavailable
+
+                    raise Unavailable(f"store node {nid!r} is not in the directory")
+                return StoreClient.connect(info.address, namespace=namespace, **fast)
+
+            guarded[node_id] = GuardedStore(connect)
+        return guarded[node_id]
+
+    local = None
+    if args.store_node:
+        deadline = time.monotonic() + 15.0
+        while args.store_node not in cluster.nodes() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if args.store_node not in cluster.nodes():
+            raise SystemExit(f"store node {args.store_node!r} is not registered in {args.etcd}")
+        local = node_client(args.store_node)
+    return cluster, local, node_client
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """Load the model, open the stores, serve until SIGTERM / SIGINT."""
+    import torch
+    import uvicorn
+
+    from engine.serving.loading import load_model
+    from engine.serving.runtime import calibrate_prefill
+
+    torch.set_num_threads(max(args.threads, 1))
+    wid = args.worker_id or f"{args.role}-{uuid.uuid4().hex[:6]}"
+    if not _ID.fullmatch(wid):
+        raise SystemExit(f"worker id {wid!r}: use 1-64 of [A-Za-z0-9._-]")
+    lm = load_model(args.model, args.dtype, tiny_layers=args.tiny_layers)
+    coeffs = None
+    if not args.no_calibrate and args.role != "decode":
+        coeffs = calibrate_prefill(lm.model, lm.model.config.vocab_size, lm.max_context).coeffs
+    engine = WorkerEngine(
+        lm,
+        local=None,
+        kv_capacity_tokens=args.kv_tokens,
+        faults=Faults(args.inject_prefill_delay_s, args.inject_token_delay_s),
+    )
+    ns = engine.adapter.namespace
+    engine.cluster, engine.local, engine.source_client = _store_clients(args, ns)
+    engine.store_node = args.store_node
+    sock = _bind(args.host, args.port)
+    port = sock.getsockname()[1]
+    host = args.advertise_host or args.host
+    record = WorkerRecord(
+        worker_id=wid, role=args.role, model=lm.name, address=f"http://{host}:{port}",
+        namespace={"model": ns.model, "layout": ns.layout, "tenant": ns.tenant},
+        store_node=args.store_node, zone=args.zone, block_tokens=engine.adapter.block_tokens,
+        max_context=lm.max_context, kv_bytes_per_token=engine.kv_bytes_per_token,
+        prefill_coeffs=coeffs, load=engine.load(),
+    )  # fmt: skip
+    reg = WorkerRegistration(args.etcd, args.cluster, ttl=args.lease_ttl_s)
+    app = build_app(engine, record, reg)
+    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+
+    async def serve() -> None:
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not task.done():
+            await asyncio.sleep(0.02)
+        if server.started:
+            ready = {
+                "worker_id": wid,
+                "role": args.role,
+                "model": lm.name,
+                "address": record.address,
+                "pid": os.getpid(),
+                "store_node": args.store_node,
+            }
+            print(json.dumps(ready), flush=True)
+        await task
+
+    try:
+        asyncio.run(serve())
+    finally:
+        engine.cluster.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvstore worker", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    return run_worker(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
