@@ -45,7 +45,7 @@ bench: install-test
 	$(PY) benchmarks/bench_node.py
 	$(PY) benchmarks/bench_ssd.py
 
-# Regenerate kvstore/_proto/ from proto/kvstore/v1/store.proto (tests/test_proto_fresh.py
+# Regenerate kvstore/_proto/ from proto/kvstore/v1/store.proto (tests/unit/test_proto_fresh.py
 # fails when the committed files are stale).
 proto:
 	$(PY) scripts/gen_proto.py
@@ -59,7 +59,7 @@ vllm-env:
 	PY=$(PY) VLLM_VENV=$(VLLM_VENV) bash scripts/vllm_env.sh
 
 test-vllm: vllm-env
-	$(VLLM_VENV)/bin/python -m pytest -q --durations=5 tests/test_vllm_parts.py tests/test_vllm_engine.py
+	$(VLLM_VENV)/bin/python -m pytest -q --durations=5 tests/vllm/test_vllm_parts.py tests/vllm/test_vllm_engine.py
 
 bench-vllm: vllm-env
 	$(VLLM_VENV)/bin/python benchmarks/bench_vllm.py

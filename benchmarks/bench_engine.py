@@ -40,7 +40,7 @@ def _open_store(kind: str, stack: ExitStack, ad: HFKVAdapter) -> Any:
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, for tests/
-    from tests.server_process import ALPHA, ServerProcess, base_flags
+    from tests.support.server_process import ALPHA, ServerProcess, base_flags
 
     work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-engine-")))
     server = ServerProcess(work, {**base_flags(work), "dram_bytes": "512MiB"}).start()

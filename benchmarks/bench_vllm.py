@@ -137,7 +137,7 @@ class TimedExampleConnector(ExampleConnector):
 
 
 def _engines(root: Path, store_address: str, token: str) -> dict[str, Any]:
-    from tests.vllm_fixtures import SMOL, EngineProcess, EngineSpec, write_tiny_llama
+    from tests.support.vllm_fixtures import SMOL, EngineProcess, EngineSpec, write_tiny_llama
 
     model = str(write_tiny_llama(root / "smol", save_dtype="bfloat16", **SMOL))
     common: dict[str, Any] = dict(model=model, dtype="bfloat16", module_path=MODULE)
@@ -171,7 +171,7 @@ def run(runs: int, tokens: int, hits: int) -> dict[str, Any]:
 
 
 def _run_in(root: Path, runs: int, tokens: int, hits: int) -> dict[str, Any]:
-    from tests.server_process import ALPHA, ServerProcess, base_flags
+    from tests.support.server_process import ALPHA, ServerProcess, base_flags
 
     (root / "store").mkdir()
     flags = {**base_flags(root / "store"), "dram_bytes": "2GiB"}

@@ -1,11 +1,44 @@
-"""Shared fixtures: a clean KVSTORE_ environment and small block helpers."""
+"""Shared test policy: a clean KVSTORE_ environment, and the ``process`` marker.
+
+Every test that starts a process (a ``kvstore serve`` child, etcd, an engine, a
+subprocess of any kind) is marked ``process``, so ``pytest -m "not process"`` is the
+hermetic run: in-process nodes, in-memory seams, loopback sockets of this process only.
+Tests that use a process-starting fixture are marked here; a test that starts one
+itself carries ``@pytest.mark.process``. An unmarked test that tries to start a process
+fails at once, naming the marker, so the split cannot drift.
+"""
 
 from __future__ import annotations
 
+import multiprocessing.process
 import os
+import subprocess
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
+
+pytest_plugins = ["tests.support.server_fixtures", "tests.support.etcd_fixtures"]
+
+# Fixtures whose setup starts processes, or which hand the test a factory that does.
+PROCESS_FIXTURES = frozenset(
+    {
+        "etcd_private",
+        "etcd_server",
+        "pair",
+        "server_factory",
+        "shared",
+        "store",
+        "store_server",
+        "engines",
+    }
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.process)
 
 
 @pytest.fixture(autouse=True)
@@ -15,3 +48,22 @@ def _clean_kvstore_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         if name.startswith("KVSTORE_"):
             monkeypatch.delenv(name)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _processes_only_where_marked(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Refuse to start a process from a test that is not marked ``process``."""
+    if request.node.get_closest_marker("process") is not None:
+        return
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"{request.node.nodeid} starts a process: mark it @pytest.mark.process "
+            "(or use a fixture listed in tests/conftest.py PROCESS_FIXTURES)"
+        )
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(os, "fork", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
