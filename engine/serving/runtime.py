@@ -178,6 +178,7 @@ class WorkerEngine:
             "prefill": {
                 "cached_tokens": h.stats.cached_blocks * self.adapter.block_tokens,
                 "prefill_s": h.stats.ttft_s,
+                "shared_blocks": h.shared_blocks,
             }
         }
         gen_box = [greedy_continue(self.lm.model, cache, h.first_token, max_tokens, set(stop_ids))]

@@ -1,0 +1,306 @@
+"""Where one request runs: engine/scheduler.py's cost model fed from the live cluster.
+
+Per request the router asks this module for a :class:`Route`:
+
+- **prefill**: every live prefill worker of the model becomes a scheduler
+  :class:`~engine.scheduler.Candidate`: its queue (the larger of what it reports in
+  etcd and what this router sent it and has not heard back about) and the runs of the
+  request's prefix its store node holds, by tier, read from the directory mirror in
+  one pass (:class:`PrefixView`). A prefill worker reuses its own node's prefix, so
+  those runs are local pulls. The scheduler policy estimates TTFT per candidate,
+  refuses when none meets the SLO, and picks.
+- **decode**: the decode worker with the fewest running requests that has room for the
+  prompt and the answer in its KV; at equal load the one nearest the prefill's blocks
+  (same store node or host, then same ``zone``), then the most free KV.
+- **short prompts** (under ``short_prompt_tokens``) skip the prefill pool: one
+  decode-capable worker does both, chosen like a decode, SLO-checked like a prefill.
+
+The module is synchronous and does no I/O: the mirror is read from memory, and
+workers are the router's watch-fed records.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.scheduler import (
+    DEFAULT_PREFILL,
+    Candidate,
+    CostModel,
+    Estimate,
+    Location,
+    PrefillModel,
+    Refusal,
+    Scheduler,
+    make_scheduler,
+)
+from engine.serving.registry import WorkerRecord
+from kvstore import Namespace, TierKind, prefix_keys
+from kvstore.errors import KVStoreError
+
+__all__ = ["Outstanding", "Placer", "PrefixView", "Route", "choose_decode", "proximity"]
+
+
+class PrefixView:
+    """Per store node, the runs of a prompt's prefix it holds, by tier, from the mirror.
+
+    ``client`` is a cluster client (``StoreClient.from_etcd``): its mirror is the
+    directory, and its tenant scopes keys the way the store nodes do. None (or a
+    cluster with no reachable node yet) means no cache is known: every candidate
+    computes from scratch.
+    """
+
+    RECENT_S = 10.0  # own writes count this long (the directory catches up well before)
+    RECENT_MAX = 1 << 16
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self._recent: OrderedDict[bytes, dict[str, float]] = OrderedDict()
+
+    def note(self, node_id: str, keys: Sequence[bytes]) -> None:
+        """A prefill on ``node_id``'s worker just wrote ``keys``: count them as held there
+        before the directory's watch reports them (a conversation's next turn may
+        arrive first)."""
+        now = time.monotonic()
+        for k in keys:
+            self._recent.setdefault(k, {})[node_id] = now
+            self._recent.move_to_end(k)
+        while len(self._recent) > self.RECENT_MAX:
+            self._recent.popitem(last=False)
+
+    def _recent_runs(self, keys: Sequence[bytes]) -> dict[str, int]:
+        first = self._recent.get(keys[0]) if keys else None
+        if not first:
+            return {}
+        old = time.monotonic() - self.RECENT_S
+        out = {}
+        for node, t in first.items():
+            if t < old:
+                continue
+            n = 1
+            while n < len(keys) and self._recent.get(keys[n], {}).get(node, 0.0) >= old:
+                n += 1
+            out[node] = n
+        return out
+
+    def _scoped(self, keys: Sequence[bytes]) -> list[bytes] | None:
+        # Directory keys are tenant-scoped by the store; the cluster client knows the
+        # tenant of its token. See the report: a public ClusterClient.prefix_runs()
+        # would replace this reach into members.
+        try:
+            principal = self.client.members.principal()
+        except KVStoreError:
+            return None
+        return None if principal is None else principal.scope_all(keys)
+
+    def runs(self, keys: Sequence[bytes]) -> dict[str, list[tuple[TierKind, int]]]:
+        """node id -> [(tier, blocks), ...] of its leading run of ``keys``."""
+        if not keys:
+            return {}
+        recent = self._recent_runs(keys)
+        scoped = self._scoped(keys) if self.client is not None else None
+        if scoped is None:
+            return {node: [(TierKind.DRAM, n)] for node, n in recent.items()}
+        mirror = self.client.mirror
+        counts = mirror.longest_prefix(scoped)
+        for node, n in recent.items():
+            counts[node] = max(counts.get(node, 0), n)
+        if not counts:
+            return {}
+        reps = mirror.lookup(scoped[: max(counts.values())])
+        out: dict[str, list[tuple[TierKind, int]]] = {}
+        for node, n in counts.items():
+            runs: list[tuple[TierKind, int]] = []
+            for i in range(n):  # a block only this router knows of yet: just written, DRAM
+                tier = next((r.tier for r in reps[i] if r.node_id == node), TierKind.DRAM)
+                if runs and runs[-1][0] == tier:
+                    runs[-1] = (tier, runs[-1][1] + 1)
+                else:
+                    runs.append((tier, 1))
+            out[node] = runs
+        return out
+
+
+def _location(tier: TierKind) -> Location:
+    return Location.LOCAL_SSD if tier == TierKind.SSD else Location.LOCAL_DRAM
+
+
+def tier_label(runs: Sequence[tuple[TierKind, int]], blocks: int) -> str | None:
+    """The tiers the first ``blocks`` cached blocks come from: "dram", "dram+ssd", None."""
+    seen: list[str] = []
+    left = blocks
+    for tier, n in runs:
+        if left <= 0:
+            break
+        if tier.value not in seen:
+            seen.append(tier.value)
+        left -= n
+    return "+".join(seen) or None
+
+
+@dataclass
+class Outstanding:
+    """What this router sent to each worker and has not seen finish (fresher than etcd)."""
+
+    prefill_s: dict[str, float] = field(default_factory=dict)
+    running: dict[str, int] = field(default_factory=dict)
+    kv: dict[str, int] = field(default_factory=dict)
+
+    def add(self, wid: str, *, prefill_s: float = 0.0, running: int = 0, kv: int = 0) -> None:
+        self.prefill_s[wid] = max(self.prefill_s.get(wid, 0.0) + prefill_s, 0.0)
+        self.running[wid] = max(self.running.get(wid, 0) + running, 0)
+        self.kv[wid] = max(self.kv.get(wid, 0) + kv, 0)
+
+
+def proximity(w: WorkerRecord, near: WorkerRecord | None, nodes: Mapping[str, Any]) -> int:
+    """0: beside the blocks (same store node or host), 1: same zone, 2: elsewhere."""
+    if near is None:
+        return 0
+    if w.store_node and w.store_node == near.store_node:
+        return 0
+    node = nodes.get(near.store_node)
+    node_host = getattr(node, "host_id", "") or ""
+    if (w.host_id and w.host_id == near.host_id) or (node_host and w.host_id == node_host):
+        return 0
+    if w.zone and w.zone == near.zone:
+        return 1
+    return 2
+
+
+def choose_decode(
+    workers: Sequence[WorkerRecord],
+    kv_tokens: int,
+    near: WorkerRecord | None,
+    out: Outstanding,
+    nodes: Mapping[str, Any] | None = None,
+) -> WorkerRecord | Refusal:
+    """Fewest running, then nearest the blocks, then most free KV (that fits)."""
+    scored = []
+    for w in workers:
+        free = min(w.load.free_kv_tokens, w.load.kv_capacity_tokens - out.kv.get(w.worker_id, 0))
+        if free < kv_tokens:
+            continue
+        running = max(w.load.running, out.running.get(w.worker_id, 0))
+        scored.append((running, proximity(w, near, nodes or {}), -free, w.worker_id, w))
+    if not scored:
+        most = max((w.load.free_kv_tokens for w in workers), default=0)
+        return Refusal(f"no decode worker has {kv_tokens} free KV tokens (most free: {most})")
+    return min(scored, key=lambda s: s[:4])[4]
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a request goes. ``prefill`` is None for a short prompt served whole by
+    ``decode``. ``expected_cached`` and ``tier`` are the mirror's view at decision time."""
+
+    prefill: WorkerRecord | None
+    decode: WorkerRecord
+    estimate: Estimate | None
+    expected_cached: int
+    tier: str | None
+    keys: list[bytes]
+
+
+class Placer:
+    """Routes requests of any model over the live workers with one scheduler policy.
+
+    Not thread-safe: the router calls it from its event loop only.
+    """
+
+    def __init__(
+        self,
+        prefixes: PrefixView,
+        policy: str = "cache_aware",
+        *,
+        slo_s: float | None = None,
+        short_prompt_tokens: int = 256,
+    ) -> None:
+        self.prefixes = prefixes
+        self.policy = policy
+        self.slo_s = slo_s
+        self.short_prompt_tokens = short_prompt_tokens
+        self.out = Outstanding()
+        self._schedulers: dict[tuple[Any, ...], Scheduler] = {}
+        make_scheduler(policy)  # an unknown name fails at start
+
+    def _scheduler(self, workers: Sequence[WorkerRecord]) -> Scheduler:
+        """One scheduler per model and calibration: the median of the workers' fitted
+        prefill models (they run the same weights), the layout's KV bytes per token."""
+        coeffs = [w.prefill_coeffs for w in workers if w.prefill_coeffs]
+        if coeffs:
+            c = tuple(statistics.median(c[i] for c in coeffs) for i in range(3))
+            prefill = PrefillModel((c[0], c[1], c[2]), "median of the workers' calibrations")
+        else:
+            prefill = DEFAULT_PREFILL
+        w0 = workers[0]
+        key = (prefill.coeffs, w0.kv_bytes_per_token, w0.block_tokens)
+        s = self._schedulers.get(key)
+        if s is None:
+            cost = CostModel(prefill, max(w0.kv_bytes_per_token, 1), block_tokens=w0.block_tokens)
+            s = self._schedulers[key] = make_scheduler(self.policy, cost, slo_s=self.slo_s)
+        return s
+
+    def _queue_s(self, w: WorkerRecord, prefill: PrefillModel) -> float:
+        reported = prefill.seconds(w.load.queued_tokens, 0) if w.load.queued_tokens else 0.0
+        return max(reported, self.out.prefill_s.get(w.worker_id, 0.0))
+
+    def place(
+        self,
+        workers: Sequence[WorkerRecord],
+        ids: Sequence[int],
+        max_tokens: int,
+        exclude: frozenset[str] = frozenset(),
+        nodes: Mapping[str, Any] | None = None,
+    ) -> Route | Refusal:
+        """Choose the workers of one request (``workers``: this model's live ones)."""
+        live = [w for w in workers if w.worker_id not in exclude]
+        prefills = [w for w in live if w.can_prefill]
+        decodes = [w for w in live if w.can_decode]
+        if not decodes:
+            return Refusal("no decode worker is available for this model")
+        w0 = live[0]
+        ns = Namespace(**w0.namespace)
+        keys = prefix_keys(ids, w0.block_tokens, ns)
+        runs = self.prefixes.runs(keys)
+        n = len(ids)
+        short = n < self.short_prompt_tokens or not prefills
+        pool = decodes if short else prefills
+        sched = self._scheduler(pool)
+        cands = []
+        for i, w in enumerate(pool):
+            segs = tuple((_location(t), b) for t, b in runs.get(w.store_node, []))
+            cands.append(Candidate(i, self._queue_s(w, sched.cost.prefill), segs))
+        if short:
+            chosen = choose_decode(decodes, n + max_tokens, None, self.out, nodes)
+            if isinstance(chosen, Refusal):
+                return chosen
+            est = sched.cost.estimate(n, cands[pool.index(chosen)])
+            if self.slo_s is not None and est.ttft_s > self.slo_s:
+                return Refusal(
+                    f"no worker can meet the TTFT SLO of {self.slo_s * 1e3:.0f} ms: "
+                    f"the least loaded needs {est.ttft_s * 1e3:.0f} ms",
+                    est,
+                )
+            pre: WorkerRecord | None = None
+            dec = chosen
+        else:
+            placed = sched.place(n, cands)
+            if isinstance(placed, Refusal):
+                return placed
+            est = placed.estimate
+            pre = pool[placed.node]
+            got = choose_decode(decodes, n + max_tokens, pre, self.out, nodes)
+            if isinstance(got, Refusal):
+                return got
+            dec = got
+        holder = pre or dec
+        cached_blocks = min(
+            sum(b for _, b in runs.get(holder.store_node, [])), (n - 1) // holder.block_tokens
+        )
+        tier = tier_label(runs.get(holder.store_node, []), cached_blocks)
+        return Route(pre, dec, est, cached_blocks * holder.block_tokens, tier, keys)

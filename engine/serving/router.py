@@ -1,0 +1,470 @@
+"""``kvstore router``: the OpenAI-compatible front of the serving path.
+
+Per request: tokenize with the model's tokenizer and chat template, compute the
+prompt's prefix keys, read each store node's run of them (and its tier) from the
+directory mirror, let engine/serving/placement.py pick the prefill and decode
+workers with the cost model, then drive them (engine/serving/upstream.py): prefill,
+first token to the client, decode streamed through. A prefill worker that fails
+before the client saw anything is retried elsewhere; a decode stream that breaks
+after tokens were sent ends in an OpenAI-style error event.
+
+Every answer says where it went: ``usage.kvstore`` and ``x-kvstore-*`` headers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route as HttpRoute
+
+from engine.scheduler import Refusal
+from engine.serving.loading import load_tokenizer
+from engine.serving.metrics import RouterMetrics
+from engine.serving.openai_api import APIError, GenRequest, chunk, completion, parse_request
+from engine.serving.placement import Placer, PrefixView, Route
+from engine.serving.registry import WorkerRecord, WorkerView
+from engine.serving.upstream import Started, StreamCut, Upstream, WorkerFailed
+
+__all__ = ["Router", "RouterConfig", "add_arguments", "main"]
+
+log = logging.getLogger(__name__)
+SUSPECT_S = 5.0  # a worker that failed a call is skipped this long (or until it re-registers)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Settings of one router (flags of ``kvstore router``)."""
+
+    etcd: str = "127.0.0.1:2379"
+    cluster: str = "default"
+    policy: str = "cache_aware"
+    slo_ttft_s: float | None = None
+    short_prompt_tokens: int = 256
+    max_attempts: int = 3
+    retry_after_s: int = 1
+    default_max_tokens: int = 256
+    upstream_timeout_s: float = 120.0
+
+
+class _Detok:
+    """Incremental detokenizer: text deltas that never split a UTF-8 character."""
+
+    def __init__(self, tok: Any) -> None:
+        self.tok, self.ids, self.sent = tok, [], 0
+
+    def add(self, tid: int) -> str:
+        self.ids.append(tid)
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        delta, self.sent = text[self.sent :], len(text)
+        return delta
+
+    def flush(self) -> str:
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        delta, self.sent = text[self.sent :], len(text)
+        return delta
+
+
+class Router:
+    """The router's state: worker view, directory client, placer, metrics, upstream."""
+
+    def __init__(self, cfg: RouterConfig, *, store_client: Any = None) -> None:
+        self.cfg = cfg
+        self.view = WorkerView(cfg.etcd, cfg.cluster)
+        self.store_client = store_client
+        self.placer = Placer(
+            PrefixView(store_client),
+            cfg.policy,
+            slo_s=cfg.slo_ttft_s,
+            short_prompt_tokens=cfg.short_prompt_tokens,
+        )
+        self.metrics = RouterMetrics()
+        self.upstream = Upstream(cfg.upstream_timeout_s)
+        self._tokenizers: dict[str, Any] = {}
+        self._suspect: dict[str, tuple[float, str]] = {}
+
+    async def start(self) -> None:
+        await self.view.start()
+        if self.store_client is None:
+            self.store_client = await asyncio.to_thread(self._open_store)
+            self.placer.prefixes.client = self.store_client
+
+    def _open_store(self) -> Any:
+        from kvstore import StoreClient
+
+        try:  # the token comes from KVSTORE_TOKEN, as for every client
+            return StoreClient.from_etcd(self.cfg.etcd, cluster=self.cfg.cluster)
+        except Exception as exc:  # no directory: route without cache knowledge
+            log.warning("store directory unavailable (%s); routing without prefix data", exc)
+            return None
+
+    async def stop(self) -> None:
+        await self.view.stop()
+        await self.upstream.aclose()
+        if self.store_client is not None:
+            await asyncio.to_thread(self.store_client.close)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    async def tokenizer(self, model: str) -> Any:
+        tok = self._tokenizers.get(model)
+        if tok is None:
+            tok = self._tokenizers[model] = await asyncio.to_thread(load_tokenizer, model)
+        return tok
+
+    def workers(self, model: str) -> list[WorkerRecord]:
+        now = time.monotonic()
+        out = []
+        for w in self.view.workers().values():
+            if w.model != model:
+                continue
+            bad = self._suspect.get(w.worker_id)
+            if bad is not None and bad[0] > now and bad[1] == w.boot_id:
+                continue
+            out.append(w)
+        return out
+
+    def models(self) -> list[str]:
+        return sorted({w.model for w in self.view.workers().values()})
+
+    def _failed(self, exc: WorkerFailed, by_id: dict[str, WorkerRecord]) -> None:
+        w = by_id.get(exc.worker_id)
+        self._suspect[exc.worker_id] = (time.monotonic() + SUSPECT_S, w.boot_id if w else "")
+        self.metrics.retries.labels(exc.phase).inc()
+        log.warning("%s; placing the request again", exc)
+
+    @staticmethod
+    def tokenize(tok: Any, req: GenRequest) -> list[int]:
+        if req.kind == "chat":
+            text = tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
+            return [int(t) for t in tok(text, add_special_tokens=False).input_ids]
+        if isinstance(req.prompt, list):
+            return list(req.prompt)
+        return [int(t) for t in tok(req.prompt).input_ids]
+
+    # -- one request -----------------------------------------------------------------------
+
+    async def generate(self, req: GenRequest) -> Response:
+        t0 = time.perf_counter()
+        if not self.workers(req.model) and req.model not in self.models():
+            raise APIError(
+                404, f"The model `{req.model}` does not exist or is not served here.",
+                param="model", code="model_not_found",
+            )  # fmt: skip
+        tok = await self.tokenizer(req.model)
+        ids = self.tokenize(tok, req)
+        eos = sorted({i for i in (tok.eos_token_id,) if isinstance(i, int)})
+        exclude: set[str] = set()
+        started: Started | None = None
+        route: Route | None = None
+        for attempt in range(self.cfg.max_attempts):
+            workers = self.workers(req.model)
+            if not workers:
+                break
+            ctx = min(w.max_context for w in workers)
+            if len(ids) + req.max_tokens > ctx:
+                raise APIError(
+                    400,
+                    f"This model's maximum context length is {ctx} tokens. However, you "
+                    f"requested {len(ids) + req.max_tokens} tokens ({len(ids)} in the "
+                    f"{'messages' if req.kind == 'chat' else 'prompt'}, {req.max_tokens} in "
+                    "the completion). Please reduce the length of the prompt or completion.",
+                    param="messages" if req.kind == "chat" else "prompt",
+                    code="context_length_exceeded",
+                )
+            nodes = self.store_client.nodes() if self.store_client is not None else {}
+            placed = self.placer.place(workers, ids, req.max_tokens, frozenset(exclude), nodes)
+            if attempt == 0:
+                self.metrics.decision_s.observe(time.perf_counter() - t0)
+            if isinstance(placed, Refusal):
+                if attempt == 0:
+                    self.metrics.refusals.labels(self.cfg.policy).inc()
+                    raise APIError(
+                        429, f"Overloaded: {placed.reason}", type="rate_limit_error",
+                        code="ttft_slo", headers={"retry-after": str(self.cfg.retry_after_s)},
+                    )  # fmt: skip
+                break
+            route = placed
+            by_id = {w.worker_id: w for w in workers}
+            try:
+                started = await self._start(route, req, ids, eos)
+                break
+            except WorkerFailed as exc:
+                exclude.add(exc.worker_id)
+                self._failed(exc, by_id)
+        if started is None or route is None:
+            raise APIError(503, "No worker could serve the request.", type="server_error",
+                           code="no_worker")  # fmt: skip
+        ttft = time.perf_counter() - t0
+        self.metrics.ttft.labels(self.cfg.policy).observe(ttft)
+        self.metrics.prompt_tokens.inc(len(ids))
+        self.metrics.cached_tokens.inc(started.cached_tokens)
+        kv = self._where(route, started, ttft)
+        headers = {
+            "x-kvstore-prefill-worker": kv["prefill_worker"],
+            "x-kvstore-decode-worker": kv["decode_worker"],
+            "x-kvstore-cached-tokens": str(kv["cached_tokens"]),
+            "x-kvstore-tier": kv["tier"] or "none",
+            "x-kvstore-policy": self.cfg.policy,
+        }
+        if req.stream:
+            return StreamingResponse(
+                self._sse(req, tok, started, route, len(ids), kv),
+                media_type="text/event-stream",
+                headers=headers,
+            )
+        return await self._whole(req, tok, started, route, len(ids), kv, headers)
+
+    async def _start(
+        self, route: Route, req: GenRequest, ids: list[int], eos: list[int]
+    ) -> Started:
+        """Run the prefill (or the whole short request) until the first token is in."""
+        rid = uuid.uuid4().hex
+        out = self.placer.out
+        dec = route.decode
+        reserve = len(ids) + req.max_tokens
+        svc = route.estimate.service_s if route.estimate is not None else 0.0
+        if route.prefill is None:
+            self.metrics.decisions.labels(self.cfg.policy, "both", dec.worker_id).inc()
+            out.add(dec.worker_id, prefill_s=svc, running=1, kv=reserve)
+            try:
+                st = await self.upstream.generate(dec, rid, ids, req.max_tokens, eos)
+            except BaseException:
+                out.add(dec.worker_id, running=-1, kv=-reserve)
+                raise
+            finally:
+                out.add(dec.worker_id, prefill_s=-svc)
+            st.info["release"] = (dec.worker_id, reserve)
+            shared = int(st.info.get("shared_blocks", -1))
+            if dec.store_node and shared > 0:
+                self.placer.prefixes.note(dec.store_node, route.keys[:shared])
+            return st
+        pre = route.prefill
+        self.metrics.decisions.labels(self.cfg.policy, "prefill", pre.worker_id).inc()
+        out.add(pre.worker_id, prefill_s=svc, running=1)
+        try:
+            res = await self.upstream.prefill(pre, rid, ids)
+        finally:
+            out.add(pre.worker_id, prefill_s=-svc, running=-1)
+        h = res["handoff"]
+        if pre.store_node and int(h.get("shared_blocks", -1)) >= 0:
+            self.placer.prefixes.note(pre.store_node, route.keys[: int(h["shared_blocks"])])
+        first = int(h["first_token"])
+        cached = int(h["stats"]["cached_blocks"]) * pre.block_tokens
+        if first in eos or req.max_tokens == 1:
+            return Started(first, cached, None, finish="stop" if first in eos else "length")
+        self.metrics.decisions.labels(self.cfg.policy, "decode", dec.worker_id).inc()
+        out.add(dec.worker_id, running=1, kv=reserve)
+        try:
+            resp = await self.upstream.decode(dec, h, res["source_node"], req.max_tokens, eos)
+        except BaseException:
+            out.add(dec.worker_id, running=-1, kv=-reserve)
+            raise
+        return Started(first, cached, resp, info={"release": (dec.worker_id, reserve)})
+
+    def _release(self, st: Started) -> None:
+        rel = st.info.pop("release", None)
+        if rel is not None:
+            self.placer.out.add(rel[0], running=-1, kv=-rel[1])
+
+    def _where(self, route: Route, st: Started, ttft: float) -> dict[str, Any]:
+        pre = route.prefill or route.decode
+        return {
+            "prefill_worker": pre.worker_id,
+            "decode_worker": route.decode.worker_id,
+            "cached_tokens": st.cached_tokens,
+            "tier": route.tier if st.cached_tokens else None,
+            "expected_cached_tokens": route.expected_cached,
+            "policy": self.cfg.policy,
+            "short_prompt": route.prefill is None,
+            "estimated_ttft_ms": round(route.estimate.ttft_s * 1e3, 3) if route.estimate else None,
+            "ttft_ms": round(ttft * 1e3, 3),
+        }
+
+    async def _sse(
+        self, req: GenRequest, tok: Any, st: Started, route: Route, n_prompt: int, kv: dict
+    ) -> AsyncIterator[bytes]:
+        def event(obj: dict[str, Any]) -> bytes:
+            return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+        detok = _Detok(tok)
+        n_out = 1
+        try:
+            yield event(chunk(req, detok.add(st.first), first=True))
+            try:
+                async for t in st.rest():
+                    n_out += 1
+                    delta = detok.add(t)
+                    if delta:
+                        yield event(chunk(req, delta))
+            except StreamCut as exc:
+                self.metrics.stream_errors.inc()
+                log.warning("stream of %s cut: %s", req.id, exc)
+                err = {"message": f"The decode worker failed mid-stream: {exc}",
+                       "type": "server_error", "param": None, "code": "worker_failed"}  # fmt: skip
+                yield event({"error": err})
+                return
+            tail = detok.flush()
+            yield event(chunk(req, tail or None, st.finish))
+            if req.include_usage:
+                yield event(chunk(req, None, usage=(n_prompt, n_out, kv)))
+            yield b"data: [DONE]\n\n"
+            self.metrics.requests.labels(req.kind, "200").inc()
+        finally:
+            self._release(st)
+            await st.close()
+
+    async def _whole(
+        self, req: GenRequest, tok: Any, st: Started, route: Route, n_prompt: int,
+        kv: dict[str, Any], headers: dict[str, str],
+    ) -> Response:  # fmt: skip
+        toks = [st.first]
+        try:
+            async for t in st.rest():
+                toks.append(t)
+        except StreamCut as exc:
+            self.metrics.stream_errors.inc()
+            raise APIError(502, f"The decode worker failed: {exc}", type="server_error",
+                           code="worker_failed") from exc  # fmt: skip
+        finally:
+            self._release(st)
+            await st.close()
+        text = tok.decode(toks, skip_special_tokens=True)
+        body = completion(req, text, st.finish, n_prompt, len(toks), kv)
+        self.metrics.requests.labels(req.kind, "200").inc()
+        return JSONResponse(body, headers=headers)
+
+    # -- app -------------------------------------------------------------------------------
+
+    def app(self) -> Starlette:
+        async def gen(request: Request, kind: str) -> Response:
+            try:
+                req = parse_request(await request.body(), kind, self.cfg.default_max_tokens)
+                return await self.generate(req)
+            except APIError as exc:
+                self.metrics.requests.labels(kind, str(exc.status)).inc()
+                return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+        async def chat(request: Request) -> Response:
+            return await gen(request, "chat")
+
+        async def completions(request: Request) -> Response:
+            return await gen(request, "completion")
+
+        async def models(_request: Request) -> Response:
+            data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvstore"}
+                    for m in self.models()]  # fmt: skip
+            return JSONResponse({"object": "list", "data": data})
+
+        async def health(_request: Request) -> Response:
+            ws = self.view.workers()
+            roles = {
+                r: sum(w.role == r for w in ws.values()) for r in ("prefill", "decode", "both")
+            }
+            ok = any(w.can_decode for w in ws.values())
+            sc = self.store_client
+            body = {"status": "ok" if ok else "no_workers", "policy": self.cfg.policy,
+                    "workers": roles, "models": self.models(),
+                    "directory": sc.mirror.stats() if sc is not None else None}  # fmt: skip
+            return JSONResponse(body, status_code=200 if ok else 503)
+
+        async def metrics(_request: Request) -> Response:
+            return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+        @contextlib.asynccontextmanager
+        async def lifespan(_app: Starlette) -> AsyncIterator[None]:
+            await self.start()
+            try:
+                yield
+            finally:
+                await self.stop()
+
+        return Starlette(
+            routes=[
+                HttpRoute("/v1/chat/completions", chat, methods=["POST"]),
+                HttpRoute("/v1/completions", completions, methods=["POST"]),
+                HttpRoute("/v1/models", models, methods=["GET"]),
+                HttpRoute("/health", health, methods=["GET"]),
+                HttpRoute("/metrics", metrics, methods=["GET"]),
+            ],
+            lifespan=lifespan,
+        )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``kvstore router`` (also ``python -m engine.serving.router``)."""
+    p.add_argument("--etcd", default=os.environ.get("KVSTORE_ETCD", "127.0.0.1:2379"),
+                   help="etcd HOST:PORT (KVSTORE_ETCD)")  # fmt: skip
+    p.add_argument("--cluster", default="default", help="cluster name in etcd")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (0 picks one)")
+    p.add_argument("--policy", default="cache_aware",
+                   help="cache_aware, round_robin, least_loaded or longest_prefix")  # fmt: skip
+    p.add_argument("--slo-ttft-ms", type=float, default=None,
+                   help="refuse (429) when no worker can start a request within this")  # fmt: skip
+    p.add_argument("--short-prompt-tokens", type=int, default=256,
+                   help="prompts shorter than this skip the prefill pool")  # fmt: skip
+    p.add_argument("--max-attempts", type=int, default=3, help="placements tried per request")
+    p.add_argument("--default-max-tokens", type=int, default=256)
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    slo = args.slo_ttft_ms / 1e3 if args.slo_ttft_ms is not None else None
+    return RouterConfig(
+        etcd=args.etcd, cluster=args.cluster, policy=args.policy, slo_ttft_s=slo,
+        short_prompt_tokens=args.short_prompt_tokens, max_attempts=args.max_attempts,
+        default_max_tokens=args.default_max_tokens,
+    )  # fmt: skip
+
+
+def run_router(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM / SIGINT; prints one JSON ready line with the URL."""
+    import uvicorn
+
+    from engine.serving.worker import _bind
+
+    router = Router(config_from_args(args))
+    sock = _bind(args.host, args.port)
+    url = f"http://{args.host}:{sock.getsockname()[1]}"
+    server = uvicorn.Server(
+        uvicorn.Config(
+            router.app(), log_level="warning", lifespan="on", timeout_graceful_shutdown=5
+        )
+    )
+
+    async def serve() -> None:
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not task.done():
+            await asyncio.sleep(0.02)
+        if server.started:
+            print(json.dumps({"url": url, "pid": os.getpid(), "policy": args.policy}), flush=True)
+        await task
+
+    asyncio.run(serve())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvstore router", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    return run_router(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

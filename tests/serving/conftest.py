@@ -1,0 +1,60 @@
+"""Shared pieces of the serving tests: prompts, the plain-engine reference."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+from engine.models import tiny_llama
+from engine.serving.loading import load_tokenizer
+
+WORDS = [
+    "cluster",
+    "prefill",
+    "decode",
+    "cache",
+    "memory",
+    "flash",
+    "keys",
+    "values",
+    "prompt",
+    "token",
+    "node",
+    "host",
+    "machine",
+    "answer",
+    "history",
+    "conversation",
+    "operator",
+    "model",
+    "shared",
+    "tier",
+    "block",
+    "store",
+]
+
+
+def words(n: int, seed: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def chat_ids(messages: list[dict[str, str]]) -> list[int]:
+    tok = load_tokenizer("tiny")
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return [int(t) for t in tok(text, add_special_tokens=False).input_ids]
+
+
+def plain_engine(ids: list[int], n: int, dtype: torch.dtype = torch.float32) -> str:
+    """What a plain transformers engine answers: one greedy generate() on the same
+    weights (the tiny model, seed 0), decoded with the same tokenizer."""
+    tok = load_tokenizer("tiny")
+    model: Any = tiny_llama(dtype)
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+            eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
+        )  # fmt: skip
+    return str(tok.decode(out[0, len(ids) :].tolist(), skip_special_tokens=True))
