@@ -104,6 +104,11 @@ class IdlePoller:
                 self._switched_at = now
             self._last_conn = conn_id
 
+    @property
+    def polling(self) -> bool:
+        """Whether a connection is polling right now (holds the one slot)."""
+        return self._slot.locked()
+
     def wait(self, fs: FrameSocket, conn_id: int) -> bool:
         """Poll ``fs`` for the next request for at most the window; True if bytes have
         arrived (they are buffered in ``fs``). False when polling is not allowed now,

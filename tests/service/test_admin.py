@@ -298,7 +298,16 @@ def test_evict_to_a_byte_target_never_takes_a_pinned_block(
             assert c.get(keys[0]) is not None  # the pinned block stayed readable
     finally:
         pin.close()
-    time.sleep(0.2)  # the server ends the lease when it sees the connection close
+
+    # The server ends the lease when it sees the connection close: wait for that.
+    def still_pinned() -> int:
+        dry = cli_json(capsys, "evict", *node, "--tier", "dram", "--to", "0%", "--dry-run")
+        return int(dry["results"][0]["skipped_pinned"])
+
+    deadline = time.monotonic() + 5
+    while still_pinned():
+        assert time.monotonic() < deadline, "the closed connection's lease never ended"
+        time.sleep(0.02)
     r = cli_json(capsys, "evict", *node, "--tier", "dram", "--to", "0%")["results"][0]
     assert r["skipped_pinned"] == 0 and r["used_after"] == 0
 
@@ -407,6 +416,13 @@ class _Load(Background):
         except BaseException as exc:
             self.errors.append(exc)
 
+    def until(self, *, reads: int, writes: int, within: float = 20.0) -> None:
+        """Wait until the load has done this many reads and writes (or failed)."""
+        deadline = time.monotonic() + within
+        while (self.reads < reads or self.writes < writes) and not self.errors:
+            assert time.monotonic() < deadline, f"load stuck at {self.reads} reads"
+            time.sleep(0.01)
+
     def _write(self) -> None:
         try:
             with self.target.client(ALPHA, namespace=NS) as c:
@@ -430,9 +446,9 @@ def test_drain_moves_every_block_and_no_request_fails(
         AdminClient(c).evict("dram", 85 * BLOCK)  # about half of them on SSD
         assert c.stats()["tiers"]["ssd"]["blocks"] > 50
     with _Load(source, target, keys) as load:
-        time.sleep(0.3)
+        load.until(reads=5, writes=5)  # reads and writes are under way before the drain
         rc, out, err = run_cli(capsys, "drain", source.address, "--to", target.address)
-        time.sleep(0.2)
+        load.until(reads=load.reads + 5, writes=load.writes + 5)  # ... and after it
     assert load.errors == [] and load.reads > 10 and load.writes > 10
     assert load.hits > 0 and load.misses > 0  # reads before, during and after the moves
     assert rc == 0, err

@@ -170,7 +170,9 @@ def test_one_poller_at_a_time(pair: tuple[FrameSocket, socket.socket]) -> None:
     caught: list[bool] = []
     t = threading.Thread(target=lambda: caught.append(poller.wait(fs, 1)), daemon=True)
     t.start()
-    time.sleep(0.05)
+    deadline = time.monotonic() + 5
+    while not poller.polling:  # the thread holds the slot (no sleep picks a moment)
+        assert time.monotonic() < deadline, "the first waiter never started polling"
     assert not poller.wait(fs, 1)  # the slot is taken: returns at once
     client.sendall(frame(Op.EXISTS, b""))
     t.join(5)
