@@ -121,8 +121,8 @@ def test_round_robin_sends_the_second_turn_elsewhere(cluster: ServingCluster) ->
 def test_short_prompt_skips_the_prefill_pool(cluster: ServingCluster) -> None:
     url = cluster.urls["cache_aware"]  # type: ignore[attr-defined]
     msgs = [{"role": "user", "content": "What is a good first step?"}]
-    r = httpx.post(url + "/v1/chat/completions",
-                   json={"model": "tiny", "messages": msgs, "max_tokens": N}, timeout=60)  # fmt: skip
+    body = {"model": "tiny", "messages": msgs, "max_tokens": N}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     kv = r.json()["usage"]["kvstore"]
     assert kv["short_prompt"] is True

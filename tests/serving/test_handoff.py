@@ -1,0 +1,56 @@
+"""The prefill -> decode handoff is lossless: the decode worker continues from the
+prefill worker's KV bit for bit, so its tokens equal the prefill worker's own
+continuation, in fp32 and in bf16 (in process, through a real StoreNode)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.hf import HFKVAdapter
+from engine.models import tiny_llama
+from engine.workers import DecodeWorker, PrefillWorker, greedy_continue
+from kvstore import StoreNode
+
+N_NEW = 16
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)  # the workers' setting: one reduction order
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode_equals_the_prefill_workers_own_continuation(dtype: torch.dtype) -> None:
+    model = tiny_llama(dtype, layers=4)
+    ad = HFKVAdapter(model, model_id="tiny", block_tokens=16)
+    rng = random.Random(7)
+    with StoreNode() as node:
+        pw, dw = PrefillWorker(ad, node), DecodeWorker(ad, node)
+        shared = [rng.randrange(512) for _ in range(40)]
+        prompts = [shared + [rng.randrange(512) for _ in range(n)] for n in (9, 24, 40, 57)]
+        prompts += [prompts[1], shared[:32]]  # all cached (32: the last full block recomputed)
+        for i, p in enumerate(prompts):
+            h, cache = pw.prefill_with_cache(f"r{i}", p)
+            own = list(greedy_continue(model, cache, h.first_token, N_NEW))
+            assert list(dw.decode(h, N_NEW)) == own, f"prompt {i} ({len(p)} tokens)"
+            assert dw.last_loaded_blocks == h.shared_blocks
+        assert dw.tail_recomputed == 0 and dw.first_token_mismatches == 0
+        # the repeated prompt reused its stored prefix on the prefill side
+        assert pw.prefill_with_cache("again", prompts[1])[0].stats.cached_blocks == 4
+
+
+def test_a_missing_request_scoped_block_recomputes_and_says_so() -> None:
+    model = tiny_llama(torch.float32)
+    ad = HFKVAdapter(model, model_id="tiny", block_tokens=16)
+    p = [random.Random(8).randrange(512) for _ in range(45)]
+    with StoreNode() as node:
+        h, cache = PrefillWorker(ad, node).prefill_with_cache("r", p)
+        assert h.scoped and h.shared_blocks == 2
+        node.remove(h.scoped_keys())  # lost (evicted, node gone): a miss, not a failure
+        dw = DecodeWorker(ad, node)
+        own = list(greedy_continue(model, cache, h.first_token, N_NEW))
+        assert list(dw.decode(h, N_NEW)) == own  # fp32: the recompute is exact
+        assert dw.tail_recomputed == 1
