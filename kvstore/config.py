@@ -162,7 +162,6 @@ class ServerConfig:
         tls_cert / tls_key: PEM files; when set, gRPC and the data socket use TLS.
         max_batch: most keys in one request.
         max_message_bytes: largest gRPC message and data-frame metadata accepted.
-        max_inline_bytes: most payload bytes in one inline gRPC Get/Put.
         lease_ttl_s: how long a shared-memory read or write lease lives unless released.
         io_timeout_s: a frame that starts must finish within this (else the connection
             closes and its reservation is aborted).
@@ -193,7 +192,6 @@ class ServerConfig:
     tls_key: str = ""
     max_batch: int = 1024
     max_message_bytes: int = 16 * 1024**2
-    max_inline_bytes: int = 4 * 1024**2
     lease_ttl_s: float = 30.0
     io_timeout_s: float = 30.0
     data_poll_us: int = 100
@@ -237,10 +235,8 @@ class ServerConfig:
             path = getattr(self, name)
             if path and not os.path.isfile(path):
                 raise ConfigError(f"{name}: no such file {path!r}")
-        _positive(self, "max_batch", "max_message_bytes", "max_inline_bytes", "workers")
+        _positive(self, "max_batch", "max_message_bytes", "workers")
         _positive(self, "lease_ttl_s", "io_timeout_s", "max_connections")
-        if self.max_inline_bytes > self.max_message_bytes:
-            raise ConfigError("max_inline_bytes: must not exceed max_message_bytes")
         if not 0 <= self.data_poll_us <= 10_000:
             raise ConfigError(
                 f"data_poll_us: {self.data_poll_us} is not 0 (off) to 10000 microseconds"

@@ -72,7 +72,7 @@ class BlockTooLarge(KVStoreError, ValueError):
 
 
 class LimitExceeded(KVStoreError, ValueError):
-    """A request exceeds a configured limit (keys per batch, message or inline size)."""
+    """A request exceeds a configured limit (keys per batch, message size)."""
 
     code = "limit_exceeded"
 

@@ -36,16 +36,14 @@ class ValueMeta(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., kind: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_value_bytes", "max_batch", "max_message_bytes", "max_inline_bytes")
+    __slots__ = ("max_value_bytes", "max_batch", "max_message_bytes")
     MAX_VALUE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
-    MAX_INLINE_BYTES_FIELD_NUMBER: _ClassVar[int]
     max_value_bytes: int
     max_batch: int
     max_message_bytes: int
-    max_inline_bytes: int
-    def __init__(self, max_value_bytes: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_inline_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, max_value_bytes: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()

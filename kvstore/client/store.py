@@ -7,9 +7,10 @@ loop thread costs ~60 us: for a 1 MiB shared-memory get (~200 us end to end) an
 async-first core would cost every synchronous caller a third of its bandwidth. Blocking socket
 I/O and numpy copies release the GIL, so the async facade's threads run in parallel.
 
-Paths: control calls (remove, stats, evict, drain, health, connect-time Info) use gRPC;
-gets, puts and the hot metadata calls (exists, match_prefix) use a pooled data socket,
-whose transport is shared memory when the server is on this host and TCP otherwise.
+Paths: control calls (remove, stats, evict, drain, health, connect-time Info) use gRPC,
+which carries no gets or puts; gets, puts and the hot metadata calls (exists,
+match_prefix) use a pooled data socket, the one data plane, whose transport is shared
+memory when the server is on this host and TCP otherwise.
 
 Lifecycle: a client is unopened, open or closed. ``StoreClient.connect(...)`` returns an
 open client; ``with StoreClient(...) as c`` opens on entry and closes on exit. Any call

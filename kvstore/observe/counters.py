@@ -35,8 +35,8 @@ __all__ = [
 ]
 
 TENANT_SEP = "@"
-PATHS = ("inproc", "shm", "tcp", "grpc")
-"""Transport paths a request can take: in process, shared memory, data socket, inline gRPC."""
+PATHS = ("inproc", "shm", "tcp")
+"""Transport paths a request can take: in process, shared memory, data socket."""
 
 LATENCY_BUCKETS: tuple[float, ...] = (
     10e-6,

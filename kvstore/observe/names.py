@@ -5,7 +5,7 @@ Kept apart from kvstore/observe/prometheus.py (the prometheus_client exporter) s
 so the whole contract between whoever counts and whoever exports is on one page.
 
 Counter-key contract (keys of :class:`kvstore.observe.counters.NodeCounters`; ``<tier>`` is
-``hbm``/``dram``/``ssd``, ``<path>`` one of ``inproc``/``shm``/``tcp``/``grpc``):
+``hbm``/``dram``/``ssd``, ``<path>`` one of ``inproc``/``shm``/``tcp``):
 
 =========================== ====================================================== =====
 key                         exported as                                            by
@@ -30,7 +30,7 @@ anything else               ``kvstore_counter_total{counter="<key>"}``          
 =========================== ====================================================== =====
 
 Who counts what. The node counts everything marked "node" (kvstore/node/chain.py,
-kvstore/node/store.py). The service (gateway, data server, servicer) counts, in its own bag
+kvstore/node/store.py). The service (gateway, data server, maintenance) counts, in its own bag
 (``Gateway.counters``, summed with the node's at scrape time):
 
 - ``bytes_out_<path>``: payload bytes handed to a reader, once the read succeeded;
@@ -39,23 +39,22 @@ kvstore/node/store.py). The service (gateway, data server, servicer) counts, in 
   ``BlockRead.tier``), ``misses`` (namespace mismatches included), ``puts``, ``bytes_in``
   and ``bytes_<in|out>_<path>``: the node never sees tenants, only scoped keys;
 - latency: one ``counters.observe(op, path, seconds)`` (or ``with counters.time(...)``)
-  per get/put request, ``op`` in get/put, ``path`` in shm/tcp/grpc.
+  per get/put request, ``op`` in get/put, ``path`` in shm/tcp.
 
-As implemented (kvstore/server/gateway.py, service.py, transport/dataserver.py): ``tcp`` is a
-payload carried on the data socket (over TCP or the same-host Unix socket alike),
-``shm`` an extent handed over under a lease (LEASE / OpenRead reads, Reserve + Commit
-writes), ``grpc`` an inline gRPC Get/Put payload; a LEASE reply's blocks that are not
-in DRAM travel inline and count as ``tcp`` (``grpc`` for OpenRead). Per-tenant hits
-count the tier the read found the block in (``BlockRead.hit``: an SSD hit is ``ssd``
-even when promoted); per-tenant misses include namespace mismatches and unreadable SSD
-records, so a tenant's hits + misses are its lookups. Latency: data-socket GET/PUT are
-(get|put, tcp), LEASE is (get, shm), COMMIT is (put, shm) (Reserve is not timed),
-gRPC Get/Put are (get|put, grpc) and OpenRead/Commit (get|put, shm); a data-socket
-observation includes sending the reply. Reads a same-host client serves itself from the
-published DRAM index (kvstore/shm/index.py) reach the server afterwards in TOUCH
-frames and count as ``shm`` too: ``hits_dram`` (node and tenant), ``bytes_out_shm`` and
-one (get, shm) observation, timed by the client, per call served wholly that way. A
-DRAM block the index had no room for counts ``shm_index_full`` (its reads take leases).
+As implemented (kvstore/server/gateway.py, dataserver.py; the gRPC control plane carries no
+payloads): ``tcp`` is a payload carried on the data socket (over TCP or the same-host
+Unix socket alike), ``shm`` an extent handed over under a lease (LEASE reads, RESERVE +
+COMMIT writes); a LEASE reply's blocks that are not in DRAM travel inline and count as
+``tcp``. Per-tenant hits count the tier the read found the block in (``BlockRead.hit``:
+an SSD hit is ``ssd`` even when promoted); per-tenant misses include namespace
+mismatches and unreadable SSD records, so a tenant's hits + misses are its lookups.
+Latency: data-socket GET/PUT are (get|put, tcp), LEASE is (get, shm), COMMIT is (put,
+shm) (RESERVE is not timed); an observation includes sending the reply. Reads a
+same-host client serves itself from the published DRAM index (kvstore/shm/index.py)
+reach the server afterwards in TOUCH frames and count as ``shm`` too: ``hits_dram``
+(node and tenant), ``bytes_out_shm`` and one (get, shm) observation, timed by the
+client, per call served wholly that way. A DRAM block the index had no room for counts
+``shm_index_full`` (its reads take leases).
 Each time a connection polls for its client's next request after a reply
 (kvstore/wire/polling.py) counts ``data_polls_caught`` or ``data_polls_missed``.
 Admin moves count ``exported_blocks``, ``imported_blocks`` and ``purged_blocks``

@@ -269,7 +269,7 @@ class Gateway:
         """Extent offset a same-host client may copy from, or -1 (SSD buffer, HBM)."""
         return blk.offset if blk.tier is TierKind.DRAM else -1
 
-    def lease_read(self, p: Principal, blk: BlockRead, owner: int | None) -> Lease:
+    def lease_read(self, p: Principal, blk: BlockRead, owner: int) -> Lease:
         """Hand a pinned DRAM block to a same-host client under a read lease."""
         return self.leases.grant(LeaseKind.READ, blk, p.tenant, owner)
 
@@ -313,7 +313,7 @@ class Gateway:
         self.node.abort(res)
 
     def reserve_leased(
-        self, p: Principal, key: bytes, info: ValueInfo, ns: Namespace | None, owner: int | None
+        self, p: Principal, key: bytes, info: ValueInfo, ns: Namespace | None, owner: int
     ) -> Lease | None:
         """Reserve for a same-host writer (the extent must be in the DRAM segment)."""
         if self.node.tiers[0] is not TierKind.DRAM:
@@ -339,30 +339,6 @@ class Gateway:
                 self.node.abort(lease.obj)
                 n += 1
         return n, len(lease_ids) - n
-
-    def put_inline(
-        self,
-        p: Principal,
-        key: bytes,
-        info: ValueInfo,
-        payload: bytes,
-        checksum: int,
-        ns: Namespace | None,
-    ) -> bool:
-        """A whole put from bytes already in memory (the gRPC inline path)."""
-        if len(payload) != info.nbytes:
-            raise InvalidValue(f"payload is {len(payload)} bytes, meta says {info.nbytes}")
-        res = self.reserve(p, key, info, ns)
-        if res is None:
-            return False
-        try:
-            target, finish = fill_target(res)
-            np.copyto(target, np.frombuffer(payload, dtype=np.uint8))
-            finish()
-        except BaseException:
-            self.abort(res)
-            raise
-        return self.commit(p, res, checksum, "grpc")
 
     def _end_lease(self, lease: Lease) -> None:
         if lease.kind is LeaseKind.READ:

@@ -1,10 +1,11 @@
 """Leases: node pins and reservations handed to other processes, with an expiry.
 
 A same-host client copies a block out of (or into) the node's shared-memory segment
-between two control calls. Between them the node must keep the extent pinned (a read)
-or reserved (a write), yet a client may crash, hang or simply forget. Every such grant
-is therefore a lease: it ends when its holder releases it, when the holder's data
-connection closes, or when it expires and the reaper ends it.
+between two requests on its data connection (LEASE then RELEASE, RESERVE then COMMIT).
+Between them the node must keep the extent pinned (a read) or reserved (a write), yet
+a client may crash, hang or simply forget. Every such grant is therefore a lease: it
+ends when its holder releases it, when the holder's data connection closes, or when it
+expires and the reaper ends it.
 
 Expiry rule (what makes an expired reader safe): a lease granted at server time T
 expires at ``T + ttl`` on CLOCK_MONOTONIC, which is one clock for every process of a
@@ -50,7 +51,7 @@ class Lease:
     kind: LeaseKind
     obj: Any
     tenant: str
-    owner: int | None  # data connection id, or None for a gRPC grant
+    owner: int  # the data connection it was granted on
     expires_ns: int
 
 
@@ -75,7 +76,7 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._leases)
 
-    def grant(self, kind: LeaseKind, obj: Any, tenant: str, owner: int | None) -> Lease:
+    def grant(self, kind: LeaseKind, obj: Any, tenant: str, owner: int) -> Lease:
         """Register a new lease expiring ``ttl`` from now."""
         lease = Lease(0, kind, obj, tenant, owner, time.monotonic_ns() + self.ttl_ns)
         with self._lock:

@@ -1,5 +1,9 @@
-"""StoreServer: one StoreNode behind gRPC (control) and the data socket (bytes), and
-the ``kvstore serve`` command.
+"""StoreServer: one StoreNode behind two listeners, and the ``kvstore serve`` command.
+
+The gRPC service (kvstore/server/service.py) is the control plane: Info, Health, the
+metadata and admin calls; it carries no get or put. The data socket
+(kvstore/server/dataserver.py, over TCP and a same-host Unix socket) is the one data
+plane: every get and put, and the leases of same-host shared-memory copies.
 
 Start-up validates everything before listening: the node and server configs (defaults <
 ``--config`` file < ``KVSTORE_*`` env < flags), the tokens file, the TLS files and both
@@ -163,7 +167,6 @@ class StoreServer:
                 max_value_bytes=node.config.max_value_bytes,
                 max_batch=c.max_batch,
                 max_message_bytes=c.max_message_bytes,
-                max_inline_bytes=c.max_inline_bytes,
             ),
             tiers=[t.value for t in node.tiers],
             instance_id=self.instance_id,
@@ -250,7 +253,6 @@ _SERVER_FLAGS = {
     "tls_key": "PEM private key",
     "max_batch": "most keys per request",
     "max_message_bytes": "largest gRPC message / frame metadata",
-    "max_inline_bytes": "most inline payload bytes per gRPC Get/Put",
     "lease_ttl_s": "lifetime of a shared-memory lease, seconds",
     "io_timeout_s": "a started frame must finish within this, seconds",
     "data_poll_us": "poll this long for a lone client's next request (default 100; 0: off)",

@@ -1,9 +1,9 @@
 """Operator commands against real ``kvstore serve`` processes: stats, evict, drain, metrics.
 
 Every number checked follows from what the test did: 64 KiB blocks, known tenants,
-known paths (shared memory for the same-host client, the data socket for a TCP client,
-inline gRPC for a raw Put/Get). Pins are real: a data connection holding a shared-memory
-read lease, exactly what a same-host reader holds while it copies.
+known paths (shared memory for a same-host client, the data socket for a TCP client).
+Pins are real: a data connection holding a shared-memory read lease, exactly what a
+same-host reader holds while it copies.
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstore import Namespace, StoreClient
+from kvstore import Namespace
 from kvstore._proto import store_pb2 as pb
-from kvstore.blocks import HEADER_SIZE, checksum, describe
+from kvstore.blocks import HEADER_SIZE
 from kvstore.cli import main
 from kvstore.cli.admin import parse_duration, parse_target
 from kvstore.client.admin import AdminClient
 from kvstore.client.transport.conn import DataConn
 from kvstore.errors import ConfigError, PermissionDenied
 from kvstore.tenants import Principal
-from kvstore.wire.codec import meta_of, scope_of
+from kvstore.wire.codec import scope_of
 from kvstore.wire.frames import Op
 from tests.support.background import Background
 from tests.support.server_process import ADMIN, ALPHA, BRAVO, ServerProcess, Token, base_flags
@@ -99,25 +99,16 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 # -- stats and metrics --------------------------------------------------------------------
 
 
-def _grpc_put_get(c: StoreClient, k: bytes, v: np.ndarray) -> None:
-    """One inline gRPC Put and Get (the ``grpc`` path) through the control channel."""
-    info = describe(v)
-    data = v.tobytes()
-    put = pb.PutRequest(scope=scope_of(NS))
-    put.items.add(key=k, meta=meta_of(info), checksum=checksum(v), payload=data)
-    assert c.control("Put", put).results[0].stored
-    got = c.control("Get", pb.GetRequest(scope=scope_of(NS), keys=[k]))
-    assert got.blocks[0].payload == data
-
-
 def _traffic(server: ServerProcess) -> None:
-    """alpha: 6 puts + 8 gets over shm, 1 put + 1 get inline; bravo: 3 + 4 over TCP."""
+    """alpha: 6 puts + 8 gets over shm, 1 + 1 over TCP; bravo: 3 + 4 over TCP."""
     with server.client(ALPHA, namespace=NS) as c:
         assert all(c.batch_put([key("a", i)], [value(i)])[0] for i in range(6))
         assert c.transport == "shm"
         got = [c.get(key("a", i)) for i in range(8)]  # 6 hits, 2 misses
         assert [g is not None for g in got] == [True] * 6 + [False] * 2
-        _grpc_put_get(c, key("g", 0), value(7))
+    with server.client(ALPHA, namespace=NS, transport="tcp") as c:
+        assert c.put(key("g", 0), value(7))
+        assert (c.get(key("g", 0)) == value(7)).all()
     with server.client(BRAVO, namespace=NS, transport="tcp") as c:
         assert all(c.put(key("b", i), value(i)) for i in range(3))
         out = np.empty(SHAPE, dtype=np.uint8)
@@ -145,16 +136,11 @@ def test_stats_and_scraped_metrics_agree_with_traffic(
     assert doc["blocks"] == 10 and doc["tiers"]["dram"]["blocks"] == 10
     assert (doc["hits"], doc["misses"], doc["lookups"]) == (10, 3, 13)
     assert doc["tiers"]["dram"]["hits"] == 10 and doc["puts"] == 10
-    assert doc["bytes_in"] == {"inproc": 0, "shm": 6 * PAYLOAD, "tcp": 3 * PAYLOAD, "grpc": PAYLOAD}
-    assert doc["bytes_out"] == {
-        "inproc": 0,
-        "shm": 6 * PAYLOAD,
-        "tcp": 3 * PAYLOAD,
-        "grpc": PAYLOAD,
-    }
+    assert doc["bytes_in"] == {"inproc": 0, "shm": 6 * PAYLOAD, "tcp": 4 * PAYLOAD}
+    assert doc["bytes_out"] == {"inproc": 0, "shm": 6 * PAYLOAD, "tcp": 4 * PAYLOAD}
     alpha = cli_json(capsys, "stats", "--node", server.address, "--tenant", "alpha")["nodes"][0]
     assert (alpha["hits"], alpha["misses"], alpha["puts"]) == (7, 2, 7)
-    assert alpha["bytes_in"] == {"shm": 6 * PAYLOAD, "tcp": 0, "grpc": PAYLOAD}
+    assert alpha["bytes_in"] == {"shm": 6 * PAYLOAD, "tcp": PAYLOAD}
 
     m = scrape(port)
 
@@ -163,9 +149,9 @@ def test_stats_and_scraped_metrics_agree_with_traffic(
 
     for d in ("in", "out"):
         assert v("kvstore_transfer_bytes_total", direction=d, path="shm") == 6 * PAYLOAD
-        assert v("kvstore_transfer_bytes_total", direction=d, path="tcp") == 3 * PAYLOAD
-        assert v("kvstore_transfer_bytes_total", direction=d, path="grpc") == PAYLOAD
+        assert v("kvstore_transfer_bytes_total", direction=d, path="tcp") == 4 * PAYLOAD
         t = "kvstore_tenant_transfer_bytes_total"
+        assert v(t, direction=d, path="tcp", tenant="alpha") == PAYLOAD
         assert v(t, direction=d, path="tcp", tenant="bravo") == 3 * PAYLOAD
     assert v("kvstore_hits_total", tier="dram") == 10 and v("kvstore_misses_total") == 3
     assert v("kvstore_lookups_total") == 13
@@ -174,8 +160,7 @@ def test_stats_and_scraped_metrics_agree_with_traffic(
         assert v("kvstore_tenant_misses_total", tenant=tenant) == misses
         assert v("kvstore_tenant_puts_total", tenant=tenant) == puts
         assert v("kvstore_tenant_put_bytes_total", tenant=tenant) == puts * PAYLOAD
-    requests = {("get", "shm"): 8, ("put", "shm"): 6, ("get", "tcp"): 4, ("put", "tcp"): 3}
-    requests |= {("get", "grpc"): 1, ("put", "grpc"): 1}
+    requests = {("get", "shm"): 8, ("put", "shm"): 6, ("get", "tcp"): 5, ("put", "tcp"): 4}
     for (op, path), n in requests.items():
         assert v("kvstore_request_duration_seconds_count", op=op, path=path) == n, (op, path)
         inf = v("kvstore_request_duration_seconds_bucket", op=op, path=path, le="+Inf")
@@ -494,7 +479,7 @@ def test_stats_table_fits_an_80_column_terminal(shared: ServerProcess, tmp_path:
             screen = subprocess.run(
                 [*tmux, "capture-pane", "-p", "-t", session], capture_output=True, text=True
             ).stdout
-            if screen.count("transport") == 2 and screen.count("grpc") == 2:
+            if screen.count("transport") == 2 and screen.count("\ntcp ") == 2:
                 break
             time.sleep(0.2)
         lines = screen.rstrip("\n").splitlines()

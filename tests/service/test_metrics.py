@@ -149,7 +149,7 @@ def test_counters_match_what_the_test_did(
         ("kvstore_transfer_bytes_total", (("direction", "out"), ("path", "inproc"))): 3 * PAYLOAD,
         ("kvstore_transfer_bytes_total", (("direction", "out"), ("path", "shm"))): 4096,
         ("kvstore_transfer_bytes_total", (("direction", "in"), ("path", "tcp"))): 512,
-        ("kvstore_transfer_bytes_total", (("direction", "in"), ("path", "grpc"))): 0,
+        ("kvstore_transfer_bytes_total", (("direction", "in"), ("path", "shm"))): 0,
         ("kvstore_tenant_hits_total", (("tenant", "acme"), ("tier", "dram"))): 1,
         ("kvstore_tenant_misses_total", (("tenant", "acme"),)): 2,
         ("kvstore_tenant_lookups_total", (("tenant", "acme"),)): 3,
@@ -171,6 +171,10 @@ def test_counters_match_what_the_test_did(
     }
     got = {k: s.get((k[0], frozenset(k[1]))) for k in expect}
     assert got == expect
+    paths = {
+        dict(labels).get("path") for name, labels in s if name == "kvstore_transfer_bytes_total"
+    }
+    assert paths == {"inproc", "shm", "tcp"}  # every path, idle ones at 0; no others
     assert val(s, "kvstore_node_info", node_id="m0", tiers="dram,ssd") == 1
     # Tenant counts live in their own families: the untagged totals are the node's own.
     assert not [k for k in s if k[0].startswith("kvstore_hits") and "tenant" in dict(k[1])]

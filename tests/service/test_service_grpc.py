@@ -1,4 +1,8 @@
-"""The gRPC control plane called directly, request limits, and ``kvstore serve`` settings."""
+"""The gRPC control plane called directly, request limits, and ``kvstore serve`` settings.
+
+The control plane carries no get or put: blocks here are written and read through the
+data socket (StoreClient, or a raw frame where a test must skip the client's checks).
+"""
 
 from __future__ import annotations
 
@@ -9,13 +13,11 @@ import xxhash
 
 from kvstore._proto import store_pb2 as pb
 from kvstore._proto import store_pb2_grpc as pb_grpc
-from kvstore.blocks import BlockHeader
 from kvstore.cli import main
-from kvstore.client.transport.shm import Segment
 from kvstore.errors import BlockTooLarge, LimitExceeded
 from kvstore.wire.auth import bearer_metadata
 from kvstore.wire.grpc_errors import error_from_rpc
-from tests.support.server_process import ALPHA, ServerProcess
+from tests.support.server_process import ADMIN, ALPHA, ServerProcess
 
 MD = bearer_metadata(ALPHA.token)
 
@@ -50,61 +52,29 @@ def test_info_and_health(stub: pb_grpc.StoreStub, store_server: ServerProcess) -
     assert health.status == pb.HealthResponse.SERVING and health.instance_id == info.instance_id
 
 
-def test_inline_put_get_lookup_remove(stub: pb_grpc.StoreStub) -> None:
-    keys = [b"grpc-inline-key" + bytes([i]) for i in range(3)]
-    resp = stub.Put(
-        pb.PutRequest(items=[_item(keys[0], b"hello"), _item(keys[1], b"world")]), metadata=MD
-    )
-    assert [r.stored for r in resp.results] == [True, True]
-    bad = _item(keys[2], b"!")
-    bad.checksum ^= 1
-    assert (
-        stub.Put(pb.PutRequest(items=[bad]), metadata=MD).results[0].error.code == "corrupt_block"
-    )
-    got = stub.Get(pb.GetRequest(keys=keys), metadata=MD)
-    assert [b.found for b in got.blocks] == [True, True, False]
-    assert got.blocks[0].payload == b"hello"
-    assert BlockHeader.unpack(got.blocks[1].header).payload_len == 5
-    assert list(stub.Lookup(pb.KeysRequest(keys=keys), metadata=MD).tier) == ["dram", "dram", ""]
-    assert stub.MatchPrefix(pb.KeysRequest(keys=keys), metadata=MD).matched == 2
-    assert stub.Remove(pb.KeysRequest(keys=keys), metadata=MD).removed == 2
+def test_control_calls_see_what_the_data_socket_stored(
+    stub: pb_grpc.StoreStub, store_server: ServerProcess
+) -> None:
+    keys = [b"grpc-control-ke" + bytes([i]) for i in range(3)]
+    with store_server.client(ALPHA, transport="tcp") as c:
+        assert c.batch_put(keys[:2], [b"hello", b"world"]) == [True, True]
+        assert c.get(keys[0]) == b"hello" and c.get(keys[2]) is None
+    req = pb.KeysRequest(keys=keys)
+    assert list(stub.Exists(req, metadata=MD).present) == [True, True, False]
+    assert list(stub.Lookup(req, metadata=MD).tier) == ["dram", "dram", ""]
+    assert stub.MatchPrefix(req, metadata=MD).matched == 2
+    assert stub.Remove(req, metadata=MD).removed == 2
+    assert list(stub.Exists(req, metadata=MD).present) == [False, False, False]
 
 
-def test_shared_memory_write_and_read_over_grpc(stub: pb_grpc.StoreStub) -> None:
-    """The two-phase same-host path without the data socket (for other languages)."""
-    key, payload = b"grpc-shm-key....", np.arange(4096, dtype=np.uint8)
-    info = stub.Info(pb.InfoRequest(), metadata=MD)
-    seg = Segment(info.shm_name, info.shm_size)
-    try:
-        res = stub.Reserve(
-            pb.PutRequest(items=[pb.PutItem(key=key, meta=_meta(4096))]), metadata=MD
-        ).results[0]
-        assert res.lease_id and res.offset >= 0
-        seg.extent(res.offset, 4096)[:] = payload
-        commit = pb.CommitRequest(
-            items=[pb.CommitItem(lease_id=res.lease_id, checksum=xxhash.xxh3_64_intdigest(payload))]
-        )
-        assert stub.Commit(commit, metadata=MD).results[0].stored
-        again = stub.Commit(commit, metadata=MD).results[0]  # the lease is spent
-        assert again.error.code == "reservation"
-
-        opened = stub.OpenRead(pb.GetRequest(keys=[key]), metadata=MD)
-        ref = opened.blocks[0]
-        assert ref.lease_id and opened.lease_expires_ns > 0
-        assert (seg.extent(ref.offset, 4096) == payload).all()
-        closed = stub.CloseRead(pb.LeaseRequest(lease_ids=[ref.lease_id, 12345]), metadata=MD)
-        assert (closed.released, closed.expired) == (1, 1)
-
-        # Abort gives the space back.
-        res = stub.Reserve(
-            pb.PutRequest(items=[pb.PutItem(key=b"grpc-shm-abort..", meta=_meta(8))]), metadata=MD
-        ).results[0]
-        assert stub.Abort(pb.LeaseRequest(lease_ids=[res.lease_id]), metadata=MD).released == 1
-        assert stub.Exists(pb.KeysRequest(keys=[b"grpc-shm-abort.."]), metadata=MD).present == [
-            False
-        ]
-    finally:
-        seg.close()
+def test_a_put_whose_payload_fails_its_checksum_is_refused(store_server: ServerProcess) -> None:
+    key = b"corrupt-put-key."
+    with store_server.client(ALPHA, transport="tcp") as c:
+        res = _raw_put(c, key, 4096, checksum_flip=1).results[0]
+        assert not res.stored and res.error.code == "corrupt_block"
+        assert c.exists([key]) == [False]  # nothing visible, and the connection in step
+        assert c.put(key, np.full(4096, 3, dtype=np.uint8))  # the key was left free
+        assert (c.get(key) == 3).all()
 
 
 def test_stats_shape(stub: pb_grpc.StoreStub) -> None:
@@ -114,9 +84,7 @@ def test_stats_shape(stub: pb_grpc.StoreStub) -> None:
 
 
 def test_limits(server_factory) -> None:
-    server = server_factory(
-        max_batch=8, max_value_bytes="64KiB", max_inline_bytes="16KiB", max_message_bytes="1MiB"
-    )
+    server = server_factory(max_batch=8, max_value_bytes="64KiB", max_message_bytes="1MiB")
     channel = grpc.insecure_channel(server.address)
     stub = pb_grpc.StoreStub(channel)
     try:
@@ -124,11 +92,9 @@ def test_limits(server_factory) -> None:
         with pytest.raises(grpc.RpcError) as e:
             stub.Exists(pb.KeysRequest(keys=nine), metadata=MD)
         assert isinstance(error_from_rpc(e.value), LimitExceeded)
-        with pytest.raises(grpc.RpcError) as e:  # over max_inline_bytes
-            stub.Put(pb.PutRequest(items=[_item(b"i" * 16, b"x" * 20000)]), metadata=MD)
-        assert isinstance(error_from_rpc(e.value), LimitExceeded)
         with pytest.raises(grpc.RpcError) as e:  # over max_message_bytes (gRPC's own check)
-            stub.Put(pb.PutRequest(items=[_item(b"m" * 16, b"x" * (2 << 20))]), metadata=MD)
+            big = pb.PutRequest(items=[_item(b"m" * 16, b"x" * (2 << 20))])
+            stub.Import(big, metadata=bearer_metadata(ADMIN.token))
         assert isinstance(error_from_rpc(e.value), LimitExceeded)
 
         with server.client(ALPHA, transport="tcp") as c:
@@ -144,16 +110,16 @@ def test_limits(server_factory) -> None:
         channel.close()
 
 
-def _raw_put(client, key: bytes, n: int) -> pb.PutResponse:
-    """A PUT frame that skips the client's own size check."""
+def _raw_put(client, key: bytes, n: int, checksum_flip: int = 0) -> pb.PutResponse:
+    """A PUT frame that skips the client's own checks (size; ``checksum_flip`` != 0: a
+    checksum that does not match the payload)."""
     import time
 
     from kvstore.wire.frames import Op
 
     payload = np.zeros(n, dtype=np.uint8)
-    req = pb.PutRequest(
-        items=[pb.PutItem(key=key, meta=_meta(n), checksum=xxhash.xxh3_64_intdigest(payload))]
-    )
+    checksum = xxhash.xxh3_64_intdigest(payload) ^ checksum_flip
+    req = pb.PutRequest(items=[pb.PutItem(key=key, meta=_meta(n), checksum=checksum)])
     with client._pool.connection(time.monotonic() + 5) as (conn, _t):
         resp, _ = conn.call(Op.PUT, req, pb.PutResponse, time.monotonic() + 5, [payload], n)
     return resp

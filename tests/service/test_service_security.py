@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import socket
+import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import grpc
+import numpy as np
 import pytest
 import torch
+from google.protobuf.message import Message
+from xxhash import xxh3_64_intdigest
 
 from kvstore import Namespace, StoreClient, prefix_keys
 from kvstore._proto import store_pb2 as pb
 from kvstore._proto import store_pb2_grpc as pb_grpc
 from kvstore.client.admin import AdminClient
+from kvstore.client.transport.conn import DataConn
+from kvstore.client.transport.shm import Segment
 from kvstore.errors import AuthError, KVStoreError, PermissionDenied, TransportError, Unavailable
 from kvstore.wire.auth import bearer_metadata
 from kvstore.wire.frames import PROTOCOL, FrameSocket, Op
@@ -25,17 +33,16 @@ ALL_RPCS = [
     ("MatchPrefix", pb.KeysRequest(keys=[b"k" * 16])),
     ("Lookup", pb.KeysRequest(keys=[b"k" * 16])),
     ("Remove", pb.KeysRequest(keys=[b"k" * 16])),
-    ("Get", pb.GetRequest(keys=[b"k" * 16])),
-    ("Put", pb.PutRequest()),
-    ("Reserve", pb.PutRequest()),
-    ("Commit", pb.CommitRequest()),
-    ("Abort", pb.LeaseRequest()),
-    ("OpenRead", pb.GetRequest()),
-    ("CloseRead", pb.LeaseRequest()),
     ("Stats", pb.StatsRequest()),
     ("Evict", pb.EvictRequest(tier="dram")),
     ("Drain", pb.DrainRequest()),
+    ("Scan", pb.ScanRequest(limit=1)),
+    ("Export", pb.KeysRequest(keys=[b"k" * 16])),
+    ("Import", pb.PutRequest()),
+    ("Purge", pb.KeysRequest(keys=[b"k" * 16])),
 ]
+
+M = TypeVar("M", bound=Message)  # a reply message type
 
 
 def _block(seed: float) -> torch.Tensor:
@@ -55,6 +62,8 @@ def stub(store_server: ServerProcess) -> pb_grpc.StoreStub:
     ids=["missing", "wrong", "not-bearer"],
 )
 def test_every_rpc_needs_a_valid_token(stub: pb_grpc.StoreStub, metadata: tuple) -> None:
+    service = pb.DESCRIPTOR.services_by_name["Store"]
+    assert sorted(name for name, _ in ALL_RPCS) == sorted(service.methods_by_name)
     for name, request in ALL_RPCS:
         with pytest.raises(grpc.RpcError) as info:
             getattr(stub, name)(request, metadata=metadata, timeout=5)
@@ -118,26 +127,73 @@ def test_tenants_never_see_each_others_blocks(store_server: ServerProcess, trans
         assert alpha.match_prefix(keys) == 2
 
 
-def test_a_tenant_cannot_end_another_tenants_lease(stub: pb_grpc.StoreStub) -> None:
-    key = b"lease-tenant-key"
-    alpha, bravo = bearer_metadata(ALPHA.token), bearer_metadata(BRAVO.token)
-    stub.Put(_inline_put(key, b"x" * 64), metadata=alpha)
-    opened = stub.OpenRead(pb.GetRequest(keys=[key]), metadata=alpha)
-    lease = opened.blocks[0].lease_id
-    assert lease and opened.blocks[0].offset >= 0
-    assert stub.CloseRead(pb.LeaseRequest(lease_ids=[lease]), metadata=bravo).released == 0
-    assert stub.Abort(pb.LeaseRequest(lease_ids=[lease]), metadata=alpha).released == 0
-    assert stub.CloseRead(pb.LeaseRequest(lease_ids=[lease]), metadata=alpha).released == 1
+def test_a_tenant_cannot_end_another_tenants_lease(store_server: ServerProcess) -> None:
+    """Leases are granted on the data socket to a tenant: another tenant's COMMIT, ABORT
+    or RELEASE of its lease id does nothing; its owner's ends it."""
+    key, payload = b"lease-tenant-key", np.arange(64, dtype=np.uint8)
+    deadline = time.monotonic() + 10
+    target = ("127.0.0.1", store_server.data_port)
+    alpha = DataConn.open(target, ALPHA.token, deadline=deadline)
+    bravo = DataConn.open(target, BRAVO.token, deadline=deadline)
+    observer = store_server.client(ALPHA, transport="tcp")
+    seg = Segment(alpha.info.shm_name, alpha.info.shm_size)
+
+    def leases() -> int:
+        return int(observer.stats()["server"]["leases"])
+
+    def call(conn: DataConn, op: Op, req: Message, reply: type[M]) -> M:
+        return conn.call(op, req, reply, deadline)[0]
+
+    def settle(conn: DataConn) -> None:  # deferred RELEASEs go out before this request
+        call(conn, Op.EXISTS, pb.KeysRequest(keys=[key]), pb.ExistsResponse)
+
+    try:
+        _wait_for(lambda: leases() == 0, "the module's earlier leases to end")
+        # A write lease: bravo can neither commit nor abort it; alpha commits it.
+        meta = pb.ValueMeta(dtype="uint8", shape=[64], kind=0, nbytes=64)
+        reserve = pb.PutRequest(items=[pb.PutItem(key=key, meta=meta)])
+        res = call(alpha, Op.RESERVE, reserve, pb.PutResponse).results[0]
+        assert res.lease_id and res.offset >= 0
+        seg.extent(res.offset, 64)[:] = payload
+        commit = pb.CommitRequest(
+            items=[pb.CommitItem(lease_id=res.lease_id, checksum=xxh3_64_intdigest(payload))]
+        )
+        stolen = call(bravo, Op.COMMIT, commit, pb.PutResponse).results[0]
+        assert not stolen.stored and stolen.error.code == "reservation"
+        abort = pb.LeaseRequest(lease_ids=[res.lease_id])
+        aborted = call(bravo, Op.ABORT, abort, pb.LeaseResponse)
+        assert (aborted.released, aborted.expired) == (0, 1)
+        assert leases() == 1
+        assert call(alpha, Op.COMMIT, commit, pb.PutResponse).results[0].stored
+        assert observer.get(key) == payload.tobytes()
+
+        # A read lease: bravo's RELEASE, and alpha's ABORT (a read is no write), leave it
+        # pinned; alpha's RELEASE ends it.
+        opened = call(alpha, Op.LEASE, pb.GetRequest(keys=[key]), pb.GetResponse)
+        lease = opened.blocks[0].lease_id
+        assert lease and opened.blocks[0].offset >= 0 and leases() == 1
+        bravo.defer_release([lease])
+        settle(bravo)
+        assert leases() == 1
+        wrong_kind = pb.LeaseRequest(lease_ids=[lease])
+        assert call(alpha, Op.ABORT, wrong_kind, pb.LeaseResponse).released == 0
+        assert leases() == 1
+        alpha.defer_release([lease])
+        settle(alpha)
+        assert leases() == 0
+    finally:
+        seg.close()
+        observer.close()
+        alpha.close()
+        bravo.close()
 
 
-def _inline_put(key: bytes, payload: bytes) -> pb.PutRequest:
-    import xxhash
-
-    meta = pb.ValueMeta(dtype="uint8", shape=[len(payload)], kind=0, nbytes=len(payload))
-    item = pb.PutItem(
-        key=key, meta=meta, checksum=xxhash.xxh3_64_intdigest(payload), payload=payload
-    )
-    return pb.PutRequest(items=[item])
+def _wait_for(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
 
 
 def test_admin_operations_need_an_admin_token(store_server: ServerProcess) -> None:

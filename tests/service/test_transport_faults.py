@@ -3,7 +3,8 @@
 The server must close a connection that breaks the framing with a clear error, abort
 any reservation it was filling (space reclaimed, no half block visible), and keep
 serving everyone else. A same-host reader whose lease expired must get a miss, never
-the bytes of whatever reused the extent.
+the bytes of whatever reused the extent. The lease protocol itself is also spoken here
+frame by frame, as a client the SDK does not cover would speak it.
 """
 
 from __future__ import annotations
@@ -182,6 +183,61 @@ def test_commit_with_a_wrong_checksum_is_refused(store_server: ServerProcess) ->
         assert c.exists([key]) == [False]
         seg.close()
         conn.close()
+
+
+def test_same_host_write_and_read_by_hand(store_server: ServerProcess) -> None:
+    """The lease protocol spoken frame by frame, as a client in another language would:
+    RESERVE, fill, COMMIT (once); LEASE, copy, RELEASE; ABORT gives the space back."""
+    key, dropped = b"by-hand-shm-key.", b"by-hand-aborted."
+    payload = np.arange(4096, dtype=np.uint8)
+    deadline = time.monotonic() + 10
+    with store_server.client(ALPHA, transport="tcp") as c:
+
+        def leases() -> int:
+            return int(c.stats()["server"]["leases"])
+
+        _wait_for(lambda: leases() == 0, "the module's earlier leases to end")
+        baseline = _dram_used(store_server)
+        conn = _data_conn(store_server)
+        seg = Segment(conn.info.shm_name, conn.info.shm_size)
+        try:
+            meta = pb.ValueMeta(dtype="uint8", shape=[4096], kind=0, nbytes=4096)
+            reserve = pb.PutRequest(items=[pb.PutItem(key=key, meta=meta)])
+            resp, _ = conn.call(Op.RESERVE, reserve, pb.PutResponse, deadline)
+            res = resp.results[0]
+            assert res.lease_id and res.offset >= 0 and resp.lease_expires_ns > 0
+            seg.extent(res.offset, 4096)[:] = payload
+            item = pb.CommitItem(lease_id=res.lease_id, checksum=xxhash.xxh3_64_intdigest(payload))
+            commit = pb.CommitRequest(items=[item])
+            assert conn.call(Op.COMMIT, commit, pb.PutResponse, deadline)[0].results[0].stored
+            again = conn.call(Op.COMMIT, commit, pb.PutResponse, deadline)[0].results[0]
+            assert not again.stored and again.error.code == "reservation"  # lease spent
+            assert c.get(key) == payload.tobytes()  # kind 0: bytes back
+
+            opened, body_len = conn.call(
+                Op.LEASE, pb.GetRequest(keys=[key]), pb.GetResponse, deadline
+            )
+            ref = opened.blocks[0]
+            assert ref.found and ref.lease_id and body_len == 0  # nothing sent inline
+            assert opened.lease_expires_ns > 0 and leases() == 1
+            assert BlockHeader.unpack(ref.header).payload_len == 4096
+            assert (seg.extent(ref.offset, 4096) == payload).all()
+            conn.defer_release([ref.lease_id])  # goes out ahead of the next request
+            conn.call(Op.EXISTS, pb.KeysRequest(keys=[key]), pb.ExistsResponse, deadline)
+            assert leases() == 0
+
+            reserve = pb.PutRequest(items=[pb.PutItem(key=dropped, meta=meta)])
+            res = conn.call(Op.RESERVE, reserve, pb.PutResponse, deadline)[0].results[0]
+            assert res.lease_id and _dram_used(store_server) > baseline + 4096
+            abort = pb.LeaseRequest(lease_ids=[res.lease_id, 12345])
+            aborted = conn.call(Op.ABORT, abort, pb.LeaseResponse, deadline)[0]
+            assert (aborted.released, aborted.expired) == (1, 1)  # 12345: no such lease
+            assert c.exists([key, dropped]) == [True, False] and leases() == 0
+            assert c.remove([key]) == 1
+            assert _dram_used(store_server) == baseline
+        finally:
+            seg.close()
+            conn.close()
 
 
 def _data_conn(server: ServerProcess) -> DataConn:
