@@ -150,6 +150,10 @@ class Outstanding:
     prefill_s: dict[str, float] = field(default_factory=dict)
     running: dict[str, int] = field(default_factory=dict)
     kv: dict[str, int] = field(default_factory=dict)
+    done: dict[str, int] = field(default_factory=dict)  # prefills this router saw finish
+
+    def finished(self, wid: str) -> None:
+        self.done[wid] = self.done.get(wid, 0) + 1
 
     def add(self, wid: str, *, prefill_s: float = 0.0, running: int = 0, kv: int = 0) -> None:
         self.prefill_s[wid] = max(self.prefill_s.get(wid, 0.0) + prefill_s, 0.0)
@@ -246,8 +250,13 @@ class Placer:
         return s
 
     def _queue_s(self, w: WorkerRecord, prefill: PrefillModel) -> float:
-        reported = prefill.seconds(w.load.queued_tokens, 0) if w.load.queued_tokens else 0.0
-        return max(reported, self.out.prefill_s.get(w.worker_id, 0.0))
+        """The worker's queue: what this router sent and awaits, or what the worker
+        reports when that is larger (other routers' work). A report written before a
+        prefill this router already saw finish is stale and counts for nothing."""
+        own = self.out.prefill_s.get(w.worker_id, 0.0)
+        if w.load.done < self.out.done.get(w.worker_id, 0) or not w.load.queued_tokens:
+            return own
+        return max(prefill.seconds(w.load.queued_tokens, 0), own)
 
     def place(
         self,

@@ -68,6 +68,7 @@ class WorkerLoad:
     running: int = 0  # requests in progress (prefills and decodes)
     free_kv_tokens: int = 0  # KV capacity left for new decodes, in tokens
     kv_capacity_tokens: int = 0
+    done: int = 0  # prefills finished since start: tells a router whether this is stale
 
 
 @dataclass(frozen=True, slots=True)

@@ -249,6 +249,7 @@ class Router:
                 raise
             finally:
                 out.add(dec.worker_id, prefill_s=-svc)
+            out.finished(dec.worker_id)
             st.info["release"] = (dec.worker_id, reserve)
             shared = int(st.info.get("shared_blocks", -1))
             if dec.store_node and shared > 0:
@@ -261,6 +262,7 @@ class Router:
             res = await self.upstream.prefill(pre, rid, ids)
         finally:
             out.add(pre.worker_id, prefill_s=-svc, running=-1)
+        out.finished(pre.worker_id)
         h = res["handoff"]
         if pre.store_node and int(h.get("shared_blocks", -1)) >= 0:
             self.placer.prefixes.note(pre.store_node, route.keys[: int(h["shared_blocks"])])

@@ -50,6 +50,7 @@ class _Load:
     queued_tokens: int = 0
     running: int = 0
     reserved_kv: int = 0
+    done: int = 0
 
 
 class WorkerEngine:
@@ -96,7 +97,7 @@ class WorkerEngine:
     def load(self) -> WorkerLoad:
         ld = self._load
         free = max(self.kv_capacity_tokens - ld.reserved_kv, 0)
-        return WorkerLoad(ld.queued_tokens, ld.running, free, self.kv_capacity_tokens)
+        return WorkerLoad(ld.queued_tokens, ld.running, free, self.kv_capacity_tokens, ld.done)
 
     def _changed(self) -> None:
         if self.on_load is not None:
@@ -132,6 +133,7 @@ class WorkerEngine:
         finally:
             self._load.queued_tokens -= n
             self._load.running -= 1
+            self._load.done += 1
             self._changed()
 
     # -- decode ----------------------------------------------------------------------------

@@ -147,7 +147,7 @@ def test_impossible_slo_gets_429(cluster: ServingCluster) -> None:
     ("body", "status", "param"),
     [
         (b"{not json", 400, None),
-        ({"model": "nope", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+        ({"model": "nope", "prompt": "hi"}, 404, "model"),
         ({"model": "tiny", "prompt": words(1500, 6), "max_tokens": 8}, 400, "prompt"),
         ({"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
         ({"model": "tiny", "prompt": "hi", "max_tokens": 4, "n": 2}, 400, "n"),
