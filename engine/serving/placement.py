@@ -207,7 +207,7 @@ class Route:
     estimate: Estimate | None
     expected_cached: int
     tier: str | None
-    keys: list[bytes]
+    keys: Sequence[bytes]
 
 
 class Placer:

@@ -209,6 +209,7 @@ class WorkerRegistration:
                 if self._dirty.is_set() and self._record != self._written:
                     self._dirty.clear()
                     rec = self._record
+                    assert rec is not None
                     await self._client.put(self.key, rec.to_json(), lease=self._lease)
                     self._written = rec
                     await asyncio.sleep(self.min_interval_s)  # coalesce bursts of changes

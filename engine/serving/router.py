@@ -64,7 +64,8 @@ class _Detok:
     """Incremental detokenizer: text deltas that never split a UTF-8 character."""
 
     def __init__(self, tok: Any) -> None:
-        self.tok, self.ids, self.sent = tok, [], 0
+        self.tok, self.sent = tok, 0
+        self.ids: list[int] = []
 
     def add(self, tid: int) -> str:
         self.ids.append(tid)
