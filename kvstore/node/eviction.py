@@ -1,7 +1,7 @@
 """Which blocks an admin eviction may take, and what it did: plain records, no I/O.
 
 An operator evicts by tier, byte target and filters (``kvstore evict``); the node
-(kvstore/node/chain.py) walks a tier in its policy's eviction order, keeps the blocks a
+(kvstore/node/mover.py) walks a tier in its policy's eviction order, keeps the blocks a
 :class:`BlockFilter` accepts, skips (and counts) pinned ones, and reports an
 :class:`EvictResult`. The filter sees only what the node knows about a block: its
 stored key, its header's namespace fingerprint and when it was last used. Tenants and

@@ -1,30 +1,23 @@
 """StoreNode: one host's share of the pool, behind put / get / get_into / exists.
 
-Writes land in the fastest memory tier (HBM if configured, else DRAM) in two
-phases: reserve space, fill it, commit (checksum, header, visible) or abort. Reads
-pin a block, copy it straight into the caller's buffer and unpin. Where blocks live
-and how they move between tiers is the TierChain's job (chain.py), which also holds
-the one lock and its concurrency contract; a block is visible only after its commit
-because reservations are not in the chain's index.
+Writes land in the fastest tier (HBM if configured, else DRAM) in two phases:
+reserve space, fill it, commit (checksum, header, visible) or abort. Reads pin a
+block, copy it straight into the caller's buffer and unpin. Where blocks live is the
+BlockIndex's (index.py, which owns the one lock and writes down its contract); how
+their bytes move between tiers is the TierMover's (mover.py). A block is visible only
+after its commit because a reservation is not in the index. A reservation takes the
+index's lock once (more only to make room) and a commit once.
 """
 
 from __future__ import annotations
 
-import itertools
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.blocks import (
-    HEADER_SIZE,
-    BlockHeader,
-    ValueInfo,
-    checksum,
-    copy_payload,
-    describe,
-    materialize,
-)
+from kvstore.blocks import HEADER_SIZE, BlockHeader, ValueInfo, describe, materialize
 from kvstore.config import NodeConfig
 from kvstore.errors import (
     BlockTooLarge,
@@ -33,14 +26,17 @@ from kvstore.errors import (
     InvalidValue,
     KVStoreError,
     ReservationError,
+    StorageError,
 )
 from kvstore.events import BlockEvent, EventQueue
 from kvstore.keys import BlockKey, Namespace, as_key
-from kvstore.node.chain import TierChain, _Entry
 from kvstore.node.eviction import BlockFilter, EvictResult
+from kvstore.node.index import BlockIndex, Entry
+from kvstore.node.mover import TierMover
 from kvstore.observe.counters import NodeCounters
 from kvstore.shm.index import IndexWriter
 from kvstore.tiering import TierKind
+from kvstore.tiers.base import Payload, Tier
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.memory import MemoryTier
 
@@ -53,8 +49,11 @@ _ZERO_NS = b"\x00" * 16
 class Reservation:
     """Space for one block, reserved but not yet visible (phase one of a put).
 
-    Fill ``payload`` (a writable uint8 view of exactly ``info.nbytes``), then pass
-    the reservation to :meth:`StoreNode.commit` or :meth:`StoreNode.abort`.
+    Fill it, then pass it to :meth:`StoreNode.commit` or :meth:`StoreNode.abort`: write
+    ``payload`` (a writable host uint8 array of exactly ``info.nbytes``; where the tier
+    is on a device it is a staging buffer that the commit copies in) or call
+    :meth:`write` with a whole value. ``shm_offset`` is the extent a same-host writer
+    fills in the node's shared segment (-1 when the top tier is not shared).
     """
 
     key: BlockKey
@@ -63,29 +62,60 @@ class Reservation:
     level: int
     offset: int
     size: int
-    payload: Any
-    token: int
-    done: bool = False
+    shm_offset: int
+    _bytes: Payload = field(repr=False)
+    _settle: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def payload(self) -> Any:
+        """The host buffer to fill (the stored bytes themselves in host memory)."""
+        return self._bytes.fill_buffer()
+
+    def write(self, value: Any) -> None:
+        """Fill the reservation with a whole value (tensor, array, bytes), in one copy."""
+        self._bytes.write(value)
+
+    @property
+    def done(self) -> bool:
+        """Whether it was committed or aborted."""
+        return self._settle.locked()
 
 
 @dataclass(slots=True)
 class BlockRead:
     """A pinned block: header and payload stay valid until it is closed.
 
-    ``offset`` is the block's extent in its memory tier's slab (the payload starts
-    ``HEADER_SIZE`` bytes later), which is what a same-host client maps; it is -1
-    when the payload is a private buffer (an SSD read that could not be promoted).
-    ``hit`` is the tier the read found it in (an SSD hit promoted to DRAM has
-    ``tier`` DRAM and ``hit`` SSD): what per-tenant hit counters count.
+    :meth:`host` gives the payload's bytes in host memory (a view of them where they
+    lie in host memory, one copy from a device); :meth:`copy_to` copies them into a
+    caller's buffer. ``offset`` is the block's extent in its tier's slab (the payload
+    starts ``HEADER_SIZE`` bytes later), -1 when the payload is a private buffer (an SSD
+    read that could not be promoted); ``shm_offset`` is that extent when a same-host
+    client may map it (the tier is the node's shared segment), else -1. ``hit`` is the
+    tier the read found it in (an SSD hit promoted to DRAM has ``tier`` DRAM and ``hit``
+    SSD): what per-tenant hit counters count.
     """
 
     header: BlockHeader
-    payload: Any  # numpy uint8 view (DRAM), CUDA tensor (HBM) or a buffer read from SSD
+    _bytes: Payload = field(repr=False)
     tier: TierKind
     offset: int
-    _entry: _Entry = field(repr=False)
+    shm_offset: int
+    _entry: Entry = field(repr=False)
     _closed: bool = field(default=False, repr=False)
     hit: TierKind | None = None
+
+    def host(self) -> Any:
+        """The payload as a flat uint8 host array (a view where it lies in host memory)."""
+        return self._bytes.host()
+
+    @property
+    def payload(self) -> Any:
+        """Same as :meth:`host`."""
+        return self._bytes.host()
+
+    def copy_to(self, out: Any) -> None:
+        """Copy the payload into ``out`` (stored dtype and byte size, else LayoutMismatch)."""
+        self._bytes.copy_to(self.header, out)
 
 
 class StoreNode:
@@ -98,28 +128,29 @@ class StoreNode:
     def __init__(self, config: NodeConfig | None = None, **overrides: Any) -> None:
         self.config = config.replace(**overrides) if config else NodeConfig.load(**overrides)
         c = self.config
-        self._reservations: dict[int, Reservation] = {}  # guarded by the chain's lock
-        self._tokens = itertools.count(1)
         self.events = EventQueue(c.event_queue)
         self.counters = NodeCounters()
-        self._chain = TierChain(c.policy, self.events, self.counters)
-        self._lock = self._chain.lock
-        self._tiers = self._chain.tiers
+        self._tiers: list[Tier] = []  # fastest first
+        self._index = BlockIndex(self._tiers, c.policy, self.events, self.counters)
+        self._mover = TierMover(self._tiers, self._index, self.counters)
         self._closed = False
         try:
             if c.hbm_bytes:
-                self._chain.add_tier(MemoryTier(TierKind.HBM, c.hbm_bytes, warm=c.warm))
+                self._add_tier(MemoryTier(TierKind.HBM, c.hbm_bytes, warm=c.warm))
             if c.dram_bytes:
                 dram = MemoryTier(
                     TierKind.DRAM, c.dram_bytes, shm_name=c.shm_name or None, warm=c.warm
                 )
-                self._chain.add_tier(dram)
+                self._add_tier(dram)
             if c.ssd_path:
-                self._chain.add_tier(DiskTier(c.ssd_path, c.ssd_bytes))
-                self._chain.reload_disk()
+                self._add_tier(DiskTier(c.ssd_path, c.ssd_bytes))
         except BaseException:
             self.close()
             raise
+
+    def _add_tier(self, tier: Tier) -> None:
+        self._tiers.append(tier)
+        self._index.add_tier(tier)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -137,7 +168,7 @@ class StoreNode:
     def shm_name(self) -> str | None:
         """Name of the DRAM segment under /dev/shm, for same-host clients."""
         for t in self._tiers:
-            if isinstance(t, MemoryTier) and t.kind is TierKind.DRAM:
+            if t.shm_name is not None:
                 return t.shm_name
         return None
 
@@ -147,23 +178,25 @@ class StoreNode:
         embedded node has no such readers. Returns the index's name ("" without DRAM)."""
         self._check_open()
         for t in self._tiers:
-            if isinstance(t, MemoryTier) and t.kind is TierKind.DRAM and t.shm_name:
-                if self._chain.published is None:
-                    self._chain.publish_dram(IndexWriter(t.shm_name, t.capacity))
-                assert self._chain.published is not None
-                return self._chain.published.name
+            if t.shm_name is not None:
+                writer = None if self._index.published else IndexWriter(t.shm_name, t.capacity)
+                return self._index.publish(writer)
         return ""
 
     def touch(self, keys: Sequence[bytes]) -> int:
         """Record hits that readers served themselves from the published index: the
         eviction order and hit counters see them as reads. Returns how many of the
         blocks are still stored."""
-        return self._chain.touch([as_key(k) for k in keys])
+        return self._index.touch([as_key(k) for k in keys])
 
     def close(self) -> None:
         """Release every tier (the shared-memory segment is unlinked); idempotent."""
         self._closed = True
-        self._chain.close()
+        writer = self._index.close()
+        if writer is not None:
+            writer.close()
+        for t in self._tiers:
+            t.close()
 
     def __enter__(self) -> StoreNode:
         return self
@@ -184,8 +217,9 @@ class StoreNode:
         *,
         namespace: Namespace | None = None,
         namespace_fp: bytes | None = None,
-    ) -> Reservation:
-        """Phase one of a put: reserve space in the top tier, evicting if needed.
+    ) -> Reservation | None:
+        """Phase one of a put: reserve space in the top tier, evicting if needed; None
+        when the key is already stored (keys name content: there is nothing to write).
 
         Raises BlockTooLarge if the block can never fit, CapacityError if every
         candidate is pinned. The block stays invisible until :meth:`commit`.
@@ -206,18 +240,16 @@ class StoreNode:
             value_info.check_layout(namespace.kv_layout)
             nsfp = namespace.fingerprint()
         size = HEADER_SIZE + value_info.nbytes
+        place = self._mover.make_room(0, size, unless_stored=k)
+        if place is None:
+            return None
         top = self._tiers[0]
-        if not top.fits_ever(size):
-            raise BlockTooLarge(f"block of {size} bytes exceeds the {top.kind.value} tier")
-        offset = self._chain.make_room(0, size)
-        assert isinstance(top, MemoryTier)
-        res = Reservation(
-            k, value_info, nsfp, 0, offset, size, top.payload(offset, value_info.nbytes), 0
-        )
-        with self._lock:
-            res.token = next(self._tokens)
-            self._reservations[res.token] = res
-        return res
+        fill = top.payload(place, value_info.nbytes)
+        if fill is None:
+            self._index.discard(k, 0, place)
+            raise StorageError(f"the {top.kind.value} tier cannot take reservations")
+        shm_offset = place if top.shm_name is not None else -1
+        return Reservation(k, value_info, nsfp, 0, place, size, shm_offset, fill)
 
     def commit(self, res: Reservation, *, expected_checksum: int | None = None) -> bool:
         """Phase two: checksum the filled payload, write the header, make it visible.
@@ -226,54 +258,40 @@ class StoreNode:
         that arrived; a mismatch aborts and raises CorruptBlock. Returns False when
         the key was already present (the new copy is dropped: keys name content).
         """
-        tier = self._tiers[res.level]
-        assert isinstance(tier, MemoryTier)
-        with self._lock:
-            if res.done or self._reservations.pop(res.token, None) is None:
-                raise ReservationError("reservation already committed or aborted")
-            res.done = True
+        if not res._settle.acquire(blocking=False):
+            raise ReservationError("reservation already committed or aborted")
+        info = res.info
         try:
-            csum = _payload_checksum(res.payload)
+            res._bytes.flush()
+            csum = res._bytes.checksum()
             if expected_checksum is not None and csum != expected_checksum:
                 self.counters.inc("corrupt_transfer")
                 raise CorruptBlock("payload checksum mismatch after transfer")
-            info = res.info
             header = BlockHeader(
                 info.dtype, info.shape, info.kind, res.key, res.namespace_fp, info.nbytes, csum
             )
-            tier.write_header(res.offset, header.pack())
+            self._tiers[res.level].seal(res.offset, header)
         except BaseException:
-            with self._lock:
-                tier.free(res.offset)
+            self._index.discard(res.key, res.level, res.offset)
             raise
-        with self._lock:
-            if res.key in self._chain.index:
-                tier.free(res.offset)
-                return False
-            self._chain.insert_locked(res.key, res.level, res.offset, res.size, header)
+        if not self._index.commit(res.key, res.level, res.offset, header):
+            return False
         self.counters.inc("puts")
         self.counters.inc("bytes_in", info.nbytes)
         return True
 
     def abort(self, res: Reservation) -> None:
         """Drop a reservation and free its space; aborting twice is harmless."""
-        with self._lock:
-            if self._reservations.pop(res.token, None) is None:
-                return
-            res.done = True
-            self._tiers[res.level].free(res.offset)  # type: ignore[attr-defined]
+        if res._settle.acquire(blocking=False):
+            self._index.discard(res.key, res.level, res.offset)
 
     def put(self, key: bytes, value: Any, *, namespace: Namespace | None = None) -> bool:
         """Store one block (tensor, array or bytes). False if the key was already stored."""
-        info = describe(value)
-        with self._lock:
-            if as_key(key) in self._chain.index:
-                return False
-        res = self.reserve(key, info, namespace=namespace)
+        res = self.reserve(key, describe(value), namespace=namespace)
+        if res is None:
+            return False
         try:
-            tier = self._tiers[res.level]
-            assert isinstance(tier, MemoryTier)
-            tier.write_payload(res.offset, value)
+            res.write(value)
         except BaseException:
             self.abort(res)
             raise
@@ -304,31 +322,34 @@ class StoreNode:
         """
         self._check_open()
         nsfp = None if namespace is None else namespace.fingerprint()
-        got = self._chain.acquire(as_key(key), nsfp)
+        got = self._index.pin(as_key(key), nsfp)
         if got is None:
             return None
-        entry, level, offset = got
+        entry, level, place = got
         try:
             tier = self._tiers[level]
-            if isinstance(tier, MemoryTier):
-                payload = tier.payload(offset, entry.header.payload_len)
-                return BlockRead(entry.header, payload, tier.kind, offset, entry, hit=tier.kind)
-            read = self._chain.read_disk(entry, level)
+            payload = tier.payload(place, entry.header.payload_len)
+            if payload is not None:
+                shm = place if tier.shm_name is not None else -1
+                return BlockRead(entry.header, payload, tier.kind, place, shm, entry, hit=tier.kind)
+            read = self._mover.read_through(entry, level)
         except BaseException:
-            self._chain.release(entry)
+            self._index.unpin(entry)
             raise
         if read is None:
-            self._chain.release(entry)
+            self._index.unpin(entry)
             return None
-        payload, offset = read
-        kind = self._tiers[0].kind if offset >= 0 else TierKind.SSD
-        return BlockRead(entry.header, payload, kind, offset, entry, hit=TierKind.SSD)
+        payload, place = read
+        top = self._tiers[0]
+        kind = top.kind if place >= 0 else tier.kind
+        shm = place if place >= 0 and top.shm_name is not None else -1
+        return BlockRead(entry.header, payload, kind, place, shm, entry, hit=tier.kind)
 
     def close_read(self, blk: BlockRead) -> None:
         """Unpin a block from :meth:`open_read`; closing twice is harmless."""
         if not blk._closed:
             blk._closed = True
-            self._chain.release(blk._entry)
+            self._index.unpin(blk._entry)
 
     @contextmanager
     def pin(self, key: bytes, *, namespace: Namespace | None = None) -> Iterator[BlockRead | None]:
@@ -348,12 +369,7 @@ class StoreNode:
         with self.pin(key, namespace=namespace) as blk:
             if blk is None:
                 return False
-            if blk.tier is TierKind.HBM:
-                tier = self._tiers[0]
-                assert isinstance(tier, MemoryTier)
-                tier.copy_out_tensor(blk.payload, blk.header, out)
-            else:
-                copy_payload(blk.header, blk.payload, out)
+            blk.copy_to(out)
             self.counters.inc("bytes_out", blk.header.payload_len)
             return True
 
@@ -362,11 +378,8 @@ class StoreNode:
         with self.pin(key, namespace=namespace) as blk:
             if blk is None:
                 return None
-            payload = blk.payload
-            if blk.tier is TierKind.HBM:
-                payload = payload.cpu().numpy()
             self.counters.inc("bytes_out", blk.header.payload_len)
-            return materialize(blk.header, payload)
+            return materialize(blk.header, blk.host())
 
     def batch_get_into(
         self, keys: Sequence[bytes], outs: Sequence[Any], *, namespace: Namespace | None = None
@@ -384,43 +397,26 @@ class StoreNode:
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key is stored (any tier). Does not count as a hit."""
-        ks = [as_key(k) for k in keys]
-        with self._lock:
-            return [k in self._chain.index for k in ks]
+        return self._index.contains([as_key(k) for k in keys])
 
     def match_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading keys are stored: the reusable prefix, in blocks."""
-        ks = [as_key(k) for k in keys]
-        n = 0
-        with self._lock:
-            for k in ks:
-                if k not in self._chain.index:
-                    break
-                n += 1
-        return n
+        return self._index.prefix_len([as_key(k) for k in keys])
 
     def tier_of(self, key: bytes) -> TierKind | None:
         """Where a block lives now (None if absent)."""
-        return self._chain.tier_of(as_key(key))
+        return self._index.tier_of(as_key(key))
 
     def remove(self, keys: Sequence[bytes]) -> int:
         """Remove blocks; returns how many were present. Pinned ones go at last unpin."""
-        ks = [as_key(k) for k in keys]
-        n = 0
-        with self._lock:
-            for k in ks:
-                e = self._chain.index.get(k)
-                if e is not None:
-                    self._chain.drop_locked(e)
-                    n += 1
-        return n
+        return self._index.remove([as_key(k) for k in keys])
 
     # -- admin and observability -------------------------------------------------------------
 
     def evict(self, tier: TierKind, target_bytes: int) -> int:
         """Demote (or drop, from the last tier) blocks until ``tier`` uses at most
         ``target_bytes``; pinned blocks are skipped. Returns how many blocks went."""
-        return self._chain.evict(tier, target_bytes)
+        return self._mover.evict_where(tier, target_bytes).moved
 
     def evict_where(
         self,
@@ -433,9 +429,9 @@ class StoreNode:
     ) -> EvictResult:
         """Evict the blocks ``flt`` accepts until ``tier`` uses at most ``target_bytes``
         (admin ``kvstore evict``); pinned blocks are skipped and counted. ``dry_run``
-        reports what would go and moves nothing. See TierChain.evict_where."""
+        reports what would go and moves nothing. See TierMover.evict_where."""
         self._check_open()
-        return self._chain.evict_where(
+        return self._mover.evict_where(
             tier, target_bytes, flt, dry_run=dry_run, list_limit=list_limit
         )
 
@@ -444,17 +440,17 @@ class StoreNode:
     ) -> list[tuple[BlockKey, TierKind, int, bytes]]:
         """Up to ``limit`` stored blocks as (key, tier, size, namespace fp), cheaply: what a drain
         pages through while it removes what it moved; ``flt`` keeps only matches."""
-        return self._chain.scan(limit, tier, flt)
+        return self._index.scan(limit, tier, flt)
 
     def keys(self, tier: TierKind | None = None) -> list[BlockKey]:
         """Stored keys, optionally of one tier (a snapshot)."""
-        return self._chain.keys(tier)
+        return self._index.keys(tier)
 
     def snapshot(self) -> list[tuple[BlockKey, TierKind, int]]:
         """Every stored block as (key, tier, size), consistent at one instant.
 
         What a directory publisher re-lists from after it missed events."""
-        return self._chain.snapshot()
+        return self._index.snapshot()
 
     def drain_events(self, limit: int | None = None) -> list[BlockEvent]:
         """Take pending BlockStored / BlockRemoved / BlockMoved events, oldest first."""
@@ -462,7 +458,7 @@ class StoreNode:
 
     def stats(self) -> dict[str, Any]:
         """Per-tier capacity/used/blocks and the node's counters, as plain data."""
-        per, pinned = self._chain.tier_stats()
+        per, pinned = self._index.stats()
         return {
             "node_id": self.node_id,
             "tiers": per,
@@ -471,9 +467,3 @@ class StoreNode:
             "events_dropped": self.events.dropped,
             "counters": self.counters.snapshot(),
         }
-
-
-def _payload_checksum(payload: Any) -> int:
-    if hasattr(payload, "device") and getattr(payload.device, "type", "cpu") == "cuda":
-        return checksum(payload.cpu().numpy())
-    return checksum(payload)

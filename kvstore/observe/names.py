@@ -29,7 +29,7 @@ key                         exported as                                         
 anything else               ``kvstore_counter_total{counter="<key>"}``             any
 =========================== ====================================================== =====
 
-Who counts what. The node counts everything marked "node" (kvstore/node/chain.py,
+Who counts what. The node counts everything marked "node" (kvstore/node/index.py, mover.py,
 kvstore/node/store.py). The service (gateway, data server, maintenance) counts, in its own bag
 (``Gateway.counters``, summed with the node's at scrape time):
 

@@ -36,9 +36,8 @@ from kvstore.config import ServerConfig
 from kvstore.errors import KVStoreError, Unavailable
 from kvstore.node.store import BlockRead
 from kvstore.server.auth import TokenTable
-from kvstore.server.gateway import Gateway, ReadItem, fill_target
+from kvstore.server.gateway import Gateway, ReadItem
 from kvstore.tenants import Principal
-from kvstore.tiering import TierKind
 from kvstore.wire.codec import info_from_meta, status_of
 from kvstore.wire.frames import (
     PROTOCOL,
@@ -76,13 +75,6 @@ def _parse(cls: type[Message], meta: bytes) -> Any:
     except DecodeError as exc:
         raise ProtocolError(f"undecodable {cls.__name__} metadata: {exc}") from None
     return msg
-
-
-def _host_payload(blk: BlockRead) -> memoryview:
-    payload = blk.payload
-    if blk.tier is TierKind.HBM:  # a CUDA tensor: one copy to host
-        payload = payload.cpu().numpy()
-    return memoryview(payload).cast("B")
 
 
 class DataServer:
@@ -354,12 +346,12 @@ class _Session:
             shm_bytes = 0
             for r in reads:
                 ref = resp.blocks.add()
-                if isinstance(r, BlockRead) and self.gw.shm_offset(r) >= 0:
+                if isinstance(r, BlockRead) and r.shm_offset >= 0:
                     lease = self.gw.lease_read(self.principal, r, self.id)
                     leased.add(id(r))
                     shm_bytes += r.header.payload_len
                     ref.found, ref.header = True, r.header.pack()
-                    ref.lease_id, ref.offset = lease.id, r.offset
+                    ref.lease_id, ref.offset = lease.id, r.shm_offset
                     resp.lease_expires_ns = resp.lease_expires_ns or lease.expires_ns
                     continue
                 mv = self._describe(r, ref)
@@ -382,7 +374,7 @@ class _Session:
         if r is None:
             return None
         ref.found, ref.header = True, r.header.pack()
-        return _host_payload(r)
+        return memoryview(r.host())
 
     def release(self, meta: bytes, body_len: int) -> None:
         req = _parse(pb.LeaseRequest, meta)
@@ -441,9 +433,7 @@ class _Session:
             self.fs.discard(n)
             return
         try:
-            target, finish = fill_target(res)
-            self.fs.recv_into(target.data)  # straight into the slab extent
-            finish()
+            self.fs.recv_into(res.payload.data)  # straight into the slab extent
         except BaseException:
             self.gw.abort(res)  # a cut-short payload never becomes visible
             raise
@@ -466,7 +456,7 @@ class _Session:
                 out.error.CopyFrom(status_of(exc))
                 continue
             if lease is not None:
-                out.lease_id, out.offset = lease.id, lease.obj.offset
+                out.lease_id, out.offset = lease.id, lease.obj.shm_offset
                 resp.lease_expires_ns = resp.lease_expires_ns or lease.expires_ns
         return resp
 

@@ -29,12 +29,9 @@ import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-import numpy as np
-
 from kvstore.blocks import ValueInfo
 from kvstore.config import ServerConfig
 from kvstore.errors import (
-    BlockTooLarge,
     ConfigError,
     InvalidValue,
     KVStoreError,
@@ -52,7 +49,7 @@ from kvstore.server.namespaces import NamespaceRegistry
 from kvstore.tenants import Principal
 from kvstore.tiering import TierKind
 
-__all__ = ["Gateway", "ReadItem", "fill_target"]
+__all__ = ["Gateway", "ReadItem"]
 
 log = logging.getLogger(__name__)
 
@@ -83,29 +80,6 @@ class _FixedNamespace(Namespace):
         if block_tokens is None:
             return self._fp
         return Namespace.fingerprint(self, block_tokens)
-
-
-def fill_target(res: Reservation) -> tuple[np.ndarray, Callable[[], None]]:
-    """A host uint8 array to fill a reservation through, and what to call once it is full.
-
-    A DRAM reservation is filled in place (the call is a no-op); an HBM one goes through
-    a host staging buffer copied to the device at the end.
-    """
-    payload = res.payload
-    if isinstance(payload, np.ndarray):
-        return payload, _nothing
-    staging = np.empty(res.info.nbytes, dtype=np.uint8)
-
-    def finish() -> None:
-        import torch
-
-        payload.copy_(torch.from_numpy(staging))
-
-    return staging, finish
-
-
-def _nothing() -> None:
-    return None
 
 
 class Gateway:
@@ -142,13 +116,6 @@ class Gateway:
         """Refuse a request naming more keys than ``max_batch``."""
         if n > self.config.max_batch:
             raise LimitExceeded(f"{n} keys in one request; max_batch is {self.config.max_batch}")
-
-    def check_value(self, info: ValueInfo) -> None:
-        """Refuse a value larger than the node's ``max_value_bytes``."""
-        if info.nbytes > self.max_value_bytes:
-            raise BlockTooLarge(
-                f"value of {info.nbytes} bytes exceeds max_value_bytes {self.max_value_bytes}"
-            )
 
     def namespace(self, p: Principal, model: str, layout: str) -> Namespace | None:
         """The caller's namespace: the request's model and layout, the token's tenant."""
@@ -264,11 +231,6 @@ class Gateway:
             if isinstance(r, BlockRead):
                 self.node.close_read(r)
 
-    @staticmethod
-    def shm_offset(blk: BlockRead) -> int:
-        """Extent offset a same-host client may copy from, or -1 (SSD buffer, HBM)."""
-        return blk.offset if blk.tier is TierKind.DRAM else -1
-
     def lease_read(self, p: Principal, blk: BlockRead, owner: int) -> Lease:
         """Hand a pinned DRAM block to a same-host client under a read lease."""
         return self.leases.grant(LeaseKind.READ, blk, p.tenant, owner)
@@ -288,13 +250,10 @@ class Gateway:
     def reserve(
         self, p: Principal, key: bytes, info: ValueInfo, ns: Namespace | None
     ) -> Reservation | None:
-        """Phase one of a put of the caller's key; None if it is already stored."""
+        """Phase one of a put of the caller's key; None if it is already stored. The
+        node checks the value's size and layout."""
         self._writable()
-        self.check_value(info)
-        scoped = p.scope(key)
-        if self.node.exists([scoped])[0]:
-            return None
-        return self.node.reserve(scoped, info, namespace=ns)
+        return self.node.reserve(p.scope(key), info, namespace=ns)
 
     def commit(self, p: Principal, res: Reservation, checksum: int, path: str) -> bool:
         """Phase two: the node verifies the payload's xxh3 against the writer's; a
@@ -315,12 +274,13 @@ class Gateway:
     def reserve_leased(
         self, p: Principal, key: bytes, info: ValueInfo, ns: Namespace | None, owner: int
     ) -> Lease | None:
-        """Reserve for a same-host writer (the extent must be in the DRAM segment)."""
-        if self.node.tiers[0] is not TierKind.DRAM:
-            raise StorageError("shared-memory writes need a DRAM top tier; use the data socket")
+        """Reserve for a same-host writer (the extent must be in the shared segment)."""
         res = self.reserve(p, key, info, ns)
         if res is None:
             return None
+        if res.shm_offset < 0:
+            self.node.abort(res)
+            raise StorageError("shared-memory writes need a DRAM top tier; use the data socket")
         return self.leases.grant(LeaseKind.WRITE, res, p.tenant, owner)
 
     def commit_leased(self, p: Principal, lease_id: int, checksum: int) -> bool:

@@ -17,14 +17,11 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from kvstore.blocks import ValueInfo
 from kvstore.errors import InvalidValue, KVStoreError, LimitExceeded, Unavailable
 from kvstore.keys import as_key
 from kvstore.node.eviction import BlockFilter, EvictResult
-from kvstore.node.store import BlockRead
-from kvstore.server.gateway import Gateway, fill_target
+from kvstore.server.gateway import Gateway
 from kvstore.tenants import Principal
 from kvstore.tiering import TierKind
 from kvstore.wire.codec import MAX_SCAN
@@ -149,7 +146,7 @@ class Maintenance:
                 if budget < 0:
                     raise LimitExceeded("exported payloads exceed one message; export fewer keys")
                 tenant, model = self.gw.names.get(blk.header.namespace_fp) or ("", "")
-                out.append(ExportedBlock(blk.header.pack(), _host_bytes(blk), tenant, model))
+                out.append(ExportedBlock(blk.header.pack(), blk.host().tobytes(), tenant, model))
             finally:
                 self.node.close_read(blk)
         self.gw.counters.inc("exported_blocks", sum(1 for o in out if o is not None))
@@ -173,7 +170,6 @@ class Maintenance:
         return out
 
     def _import_one(self, item: ImportItem) -> bool:
-        self.gw.check_value(item.info)
         if len(item.payload) != item.info.nbytes:
             raise InvalidValue(
                 f"payload is {len(item.payload)} bytes, meta says {item.info.nbytes}"
@@ -181,15 +177,12 @@ class Maintenance:
         named = bool(item.tenant or item.model)
         if named and not (item.tenant and item.model and item.namespace_fp):
             raise InvalidValue("an imported block's names need a tenant, a model and its fp")
-        key = as_key(item.key)
-        if self.node.exists([key])[0]:
+        res = self.node.reserve(as_key(item.key), item.info, namespace_fp=item.namespace_fp or None)
+        if res is None:  # stored already
             self._record_names(item)
             return False
-        res = self.node.reserve(key, item.info, namespace_fp=item.namespace_fp or None)
         try:
-            target, finish = fill_target(res)
-            np.copyto(target, np.frombuffer(item.payload, dtype=np.uint8))
-            finish()
+            res.write(item.payload)
         except BaseException:
             self.node.abort(res)
             raise
@@ -208,10 +201,3 @@ class Maintenance:
         n = self.node.remove([as_key(k) for k in keys])
         self.gw.counters.inc("purged_blocks", n)
         return n
-
-
-def _host_bytes(blk: BlockRead) -> bytes:
-    payload = blk.payload
-    if blk.tier is TierKind.HBM:  # a CUDA tensor: one copy to host
-        payload = payload.cpu().numpy()
-    return bytes(memoryview(payload).cast("B"))

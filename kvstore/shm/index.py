@@ -82,7 +82,7 @@ def _bucket(key: bytes, nbuckets: int) -> int:
 class IndexWriter:
     """The server's side: creates the index segment and publishes DRAM blocks.
 
-    Not thread-safe: every call is made under the node's lock (kvstore/node/chain.py).
+    Not thread-safe: every call is made under the block index's lock (kvstore/node/index.py).
     """
 
     def __init__(self, segment: str, capacity: int) -> None:

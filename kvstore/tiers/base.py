@@ -3,21 +3,119 @@
 A tier only stores and returns bytes and accounts for its space. It does not decide
 what to evict (policy.py), who may read (the node's pins) or where a block lives in
 the cluster (the directory). Sizes are in bytes of header plus payload.
+
+A block sits at a *place* in its tier: an extent offset in a slab, or ``NO_PLACE`` in
+a tier that finds blocks by key (the SSD tier). Bytes leave and enter a tier through a
+:class:`Payload`, whatever memory they live in: a read handle gives its host bytes
+(one copy when they are on a device), a reservation is filled through a host buffer
+(staged and copied to the device when the tier is HBM). Nothing above this package
+needs to know which tier it is talking to, or copy device memory itself.
+
+Concurrency: tiers do no locking for the node. Space (``allocate``/``release``) is
+asked for under the node's index lock; bytes move outside it, on a place that a pin
+or a reservation keeps alive (kvstore/node/index.py).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import Any
 
+import numpy as np
+
+from kvstore.blocks import BlockHeader, checksum, copy_payload, host_bytes
 from kvstore.tiering import TierKind
 
-__all__ = ["Tier", "TierKind"]  # TierKind re-exported: tiers are named by it
+__all__ = ["NO_PLACE", "HostPayload", "Payload", "Tier", "TierKind"]  # TierKind: tiers' names
+
+NO_PLACE = -1  # the place of a block in a tier that finds its blocks by key
+
+
+class Payload(ABC):
+    """One block's payload bytes where they lie, valid while the block is pinned (a
+    read) or reserved (a write)."""
+
+    nbytes: int
+
+    # -- reading ------------------------------------------------------------------------
+
+    @abstractmethod
+    def host(self) -> np.ndarray:
+        """The bytes as a flat uint8 host array: a view when they are in host memory,
+        one copy when they are on a device."""
+
+    @abstractmethod
+    def copy_to(self, header: BlockHeader, out: Any) -> None:
+        """Copy into a caller's tensor, array or buffer of the stored dtype and size
+        (LayoutMismatch otherwise); a device ``out`` from device bytes stays on the device."""
+
+    # -- writing ------------------------------------------------------------------------
+
+    @abstractmethod
+    def fill_buffer(self) -> np.ndarray:
+        """A writable flat uint8 host array to fill the payload through: the bytes
+        themselves in host memory, else a staging buffer that :meth:`seal` copies in."""
+
+    @abstractmethod
+    def write(self, value: Any) -> None:
+        """Copy a whole value in (tensor, array, bytes, or another tier's Payload)."""
+
+    @abstractmethod
+    def flush(self) -> None:
+        """Finish a fill through :meth:`fill_buffer`: staged bytes reach the device."""
+
+    @abstractmethod
+    def checksum(self) -> int:
+        """The xxh3 checksum of the payload (of a staged fill, read from its staging)."""
+
+
+class HostPayload(Payload):
+    """Payload bytes in host memory: a DRAM extent or a private buffer."""
+
+    __slots__ = ("_arr", "nbytes")
+
+    def __init__(self, arr: np.ndarray) -> None:
+        self._arr = arr
+        self.nbytes = int(arr.nbytes)
+
+    def host(self) -> np.ndarray:
+        return self._arr
+
+    def copy_to(self, header: BlockHeader, out: Any) -> None:
+        copy_payload(header, self._arr, out)
+
+    def fill_buffer(self) -> np.ndarray:
+        return self._arr
+
+    def write(self, value: Any) -> None:
+        if isinstance(value, Payload):
+            src: Any = value.host()
+        elif getattr(getattr(value, "device", None), "type", "cpu") != "cpu":
+            import torch  # a device tensor: one copy, straight into these bytes
+
+            torch.from_numpy(self._arr).copy_(value.detach().reshape(-1).view(torch.uint8))
+            return
+        else:
+            src = host_bytes(value)
+        np.copyto(self._arr, np.frombuffer(src, dtype=np.uint8), casting="no")
+
+    def flush(self) -> None:
+        return None
+
+    def checksum(self) -> int:
+        return checksum(self._arr)
 
 
 class Tier(ABC):
-    """Space accounting common to every tier."""
+    """One tier's space and bytes, addressed by (key, place)."""
 
     kind: TierKind
+    # The POSIX shared-memory segment same-host clients map to read and write this
+    # tier's places directly (``/dev/shm/<name>``), or None when they cannot.
+    shm_name: str | None = None
+
+    # -- space --------------------------------------------------------------------------
 
     @property
     @abstractmethod
@@ -32,6 +130,41 @@ class Tier(ABC):
     def fits_ever(self, nbytes: int) -> bool:
         """Whether a block of ``nbytes`` could fit if the tier were empty."""
         return nbytes <= self.capacity
+
+    @abstractmethod
+    def allocate(self, nbytes: int) -> int | None:
+        """Room for one block of ``nbytes`` now: its place, or None when the tier is too
+        full (a key-addressed tier only checks; its write takes the room)."""
+
+    @abstractmethod
+    def release(self, key: bytes, place: int) -> None:
+        """Free a block's storage (or a reservation's) at ``place``."""
+
+    # -- bytes --------------------------------------------------------------------------
+
+    @abstractmethod
+    def payload(self, place: int, nbytes: int) -> Payload | None:
+        """The payload at ``place`` where it lies (to read or fill in place), or None in
+        a tier whose bytes are only copied out with :meth:`load`."""
+
+    @abstractmethod
+    def seal(self, place: int, header: BlockHeader) -> None:
+        """Write the header of a block whose payload was filled in place."""
+
+    @abstractmethod
+    def store(self, key: bytes, place: int, header: BlockHeader, src: Payload) -> None:
+        """Store a whole block at an allocated ``place``, its bytes copied from ``src``
+        (another tier's payload: a demotion). CapacityError when a key-addressed tier
+        found its room taken meanwhile."""
+
+    @abstractmethod
+    def load(self, key: bytes, place: int, header: BlockHeader, dst: Payload) -> None:
+        """Copy a stored block's payload into ``dst``, verified where the tier can rot
+        (CorruptBlock, after dropping it; NotFound when it is gone)."""
+
+    def stored(self) -> Iterator[tuple[bytes, BlockHeader]]:
+        """Blocks this tier held when it opened (a persistent tier after a restart)."""
+        return iter(())
 
     @abstractmethod
     def close(self) -> None:

@@ -55,7 +55,7 @@ from kvstore.errors import (
 )
 from kvstore.keys import as_key
 from kvstore.tiering import TierKind
-from kvstore.tiers.base import Tier
+from kvstore.tiers.base import NO_PLACE, Payload, Tier
 from kvstore.tiers.slab import _FLAGS, PAGE, _Extents, _Slab, extent_len
 
 __all__ = ["PAGE", "DiskTier", "extent_len"]
@@ -231,6 +231,30 @@ class DiskTier(Tier):
         with self._cond:
             self._check_open()
             return self._extents.can_alloc(self.footprint(nbytes))
+
+    # -- the tier seam (blocks are found by key; their place is NO_PLACE) ---------------
+
+    def allocate(self, nbytes: int) -> int | None:
+        return NO_PLACE if self.has_room(nbytes) else None
+
+    def release(self, key: bytes, place: int) -> None:
+        self.delete(key)
+
+    def payload(self, place: int, nbytes: int) -> None:
+        return None  # bytes are copied out with load, verified
+
+    def seal(self, place: int, header: BlockHeader) -> None:
+        raise StorageError("the SSD tier stores whole blocks; it takes no reservations")
+
+    def store(self, key: bytes, place: int, header: BlockHeader, src: Payload) -> None:
+        self.write(key, header.pack(), src.host())
+
+    def load(self, key: bytes, place: int, header: BlockHeader, dst: Payload) -> None:
+        self.read_into(key, dst.fill_buffer())
+        dst.flush()
+
+    def stored(self) -> Iterator[tuple[bytes, BlockHeader]]:
+        return self.scan()
 
     def __len__(self) -> int:
         with self._cond:

@@ -23,16 +23,16 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.blocks import HEADER_SIZE, BlockHeader, copy_payload, host_bytes
+from kvstore.blocks import HEADER_SIZE, BlockHeader, checksum, copy_payload, host_bytes
 from kvstore.errors import ClosedError, ConfigError
 from kvstore.shm.segment import SHM_DIR, map_segment
 from kvstore.tiering import TierKind
 from kvstore.tiers.alloc import ExtentAllocator
-from kvstore.tiers.base import Tier
+from kvstore.tiers.base import HostPayload, Payload, Tier
 
 _PAGE = mmap.PAGESIZE
 
-__all__ = ["MemoryTier"]
+__all__ = ["DevicePayload", "MemoryTier"]
 
 
 class MemoryTier(Tier):
@@ -56,7 +56,6 @@ class MemoryTier(Tier):
         self._closed = False
         self._registered = False
         self._mm: mmap.mmap | None = None
-        self.shm_name: str | None = None
         if kind is TierKind.DRAM:
             self.shm_name = shm_name or f"kvstore-{os.getpid()}-{secrets.token_hex(4)}"
             if shm_name:
@@ -98,70 +97,40 @@ class MemoryTier(Tier):
         """Release an extent; returns the bytes freed."""
         return self._alloc.free(offset)
 
+    def allocate(self, nbytes: int) -> int | None:
+        return self.alloc(nbytes)
+
+    def release(self, key: bytes, place: int) -> None:
+        self.free(place)
+
     # -- bytes -------------------------------------------------------------------------
 
-    def write_header(self, offset: int, header: bytes) -> None:
-        """Store a packed header at the start of an extent."""
-        self._check_open()
+    def payload(self, place: int, nbytes: int) -> Payload:
+        """The payload of the extent at ``place``, in place: host bytes (DRAM) or a
+        CUDA tensor's (HBM)."""
+        start = place + HEADER_SIZE
         if self.kind is TierKind.DRAM:
-            self._host[offset : offset + len(header)] = np.frombuffer(header, dtype=np.uint8)
+            return HostPayload(self._host[start : start + nbytes])
+        return DevicePayload(self._dev[start : start + nbytes])
+
+    def seal(self, place: int, header: BlockHeader) -> None:
+        self._check_open()
+        raw = header.pack()
+        if self.kind is TierKind.DRAM:
+            self._host[place : place + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
             return
         import torch
 
-        src = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-        self._dev[offset : offset + len(header)].copy_(src)
+        src = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        self._dev[place : place + len(raw)].copy_(src)
 
-    def write_payload(self, offset: int, payload: Any) -> None:
-        """Copy a payload (tensor, array, bytes or another tier's view) into an extent."""
+    def store(self, key: bytes, place: int, header: BlockHeader, src: Payload) -> None:
         self._check_open()
-        start = offset + HEADER_SIZE
-        if self.kind is TierKind.DRAM and not _is_cuda(payload):
-            src = np.frombuffer(host_bytes(payload), dtype=np.uint8)
-            np.copyto(self._host[start : start + src.size], src, casting="no")
-            return
-        import torch
+        self.seal(place, header)
+        self.payload(place, header.payload_len).write(src)
 
-        if hasattr(payload, "untyped_storage"):
-            src_t = payload.detach().reshape(-1).view(torch.uint8)
-        else:
-            src_t = torch.from_numpy(np.frombuffer(host_bytes(payload), dtype=np.uint8))
-        dst = self._dev if self.kind is TierKind.HBM else torch.from_numpy(self._host)
-        dst[start : start + src_t.numel()].copy_(src_t)
-
-    def header(self, offset: int) -> BlockHeader:
-        """Parse the header stored at ``offset``."""
-        return BlockHeader.unpack(self.header_bytes(offset))
-
-    def header_bytes(self, offset: int) -> bytes:
-        """The raw header bytes at ``offset``."""
-        if self.kind is TierKind.DRAM:
-            return self._host[offset : offset + HEADER_SIZE].tobytes()
-        return bytes(self._dev[offset : offset + HEADER_SIZE].cpu().numpy())
-
-    def payload(self, offset: int, length: int) -> Any:
-        """A view of the payload bytes: a numpy uint8 array (DRAM) or a CUDA tensor (HBM)."""
-        start = offset + HEADER_SIZE
-        if self.kind is TierKind.DRAM:
-            return self._host[start : start + length]
-        return self._dev[start : start + length]
-
-    def copy_out_tensor(self, src: Any, header: BlockHeader, out: Any) -> None:
-        """Copy an HBM payload view into ``out`` (a CUDA tensor stays on the device)."""
-        if _is_cuda(out):
-            import torch
-
-            if out.numel() * out.element_size() != header.payload_len:
-                copy_payload(header, src.cpu().numpy(), out)  # raises the size mismatch
-                return
-            out.reshape(-1).view(torch.uint8).copy_(src)
-            return
-        copy_payload(header, src.cpu().numpy(), out)
-
-    def host_view(self, offset: int, length: int) -> memoryview:
-        """A memoryview over a DRAM range (for the SSD tier to write from, without a copy)."""
-        if self.kind is not TierKind.DRAM:
-            return memoryview(self.payload(offset, length).cpu().numpy())
-        return memoryview(self._host[offset : offset + length])  # type: ignore[arg-type]
+    def load(self, key: bytes, place: int, header: BlockHeader, dst: Payload) -> None:
+        dst.write(self.payload(place, header.payload_len))
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -207,3 +176,54 @@ class MemoryTier(Tier):
 def _is_cuda(value: Any) -> bool:
     dev = getattr(value, "device", None)
     return dev is not None and getattr(dev, "type", "cpu") == "cuda"
+
+
+class DevicePayload(Payload):
+    """Payload bytes in HBM (a CUDA uint8 tensor view): the one place device bytes are
+    copied to or from host memory for the node."""
+
+    __slots__ = ("_staging", "_t", "nbytes")
+
+    def __init__(self, t: Any) -> None:
+        self._t = t
+        self._staging: np.ndarray | None = None
+        self.nbytes = int(t.numel())
+
+    def host(self) -> np.ndarray:
+        return np.asarray(self._t.cpu().numpy())
+
+    def copy_to(self, header: BlockHeader, out: Any) -> None:
+        if _is_cuda(out) and out.numel() * out.element_size() == header.payload_len:
+            import torch
+
+            out.reshape(-1).view(torch.uint8).copy_(self._t)
+            return
+        copy_payload(header, self.host(), out)  # a host out, or the size mismatch raised
+
+    def fill_buffer(self) -> np.ndarray:
+        if self._staging is None:
+            self._staging = np.empty(self.nbytes, dtype=np.uint8)
+        return self._staging
+
+    def write(self, value: Any) -> None:
+        import torch
+
+        self._staging = None
+        if isinstance(value, DevicePayload):
+            src = value._t
+        elif isinstance(value, Payload):
+            src = torch.from_numpy(value.host())
+        elif hasattr(value, "untyped_storage"):
+            src = value.detach().reshape(-1).view(torch.uint8)
+        else:
+            src = torch.from_numpy(np.frombuffer(host_bytes(value), dtype=np.uint8))
+        self._t.copy_(src)
+
+    def flush(self) -> None:
+        if self._staging is not None:
+            import torch
+
+            self._t.copy_(torch.from_numpy(self._staging))
+
+    def checksum(self) -> int:
+        return checksum(self.host() if self._staging is None else self._staging)

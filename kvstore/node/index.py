@@ -1,0 +1,458 @@
+"""BlockIndex: where every block of one node lives, who is reading it, and the lock.
+
+The index maps each stored key to its Entry (tier level, place in the tier, size,
+header, pins, recency) and keeps each tier's eviction order (policy.py) and, when a
+server publishes it, the shared-memory index of DRAM blocks (kvstore/shm/index.py).
+It moves no bytes: the mover (mover.py) copies them between tiers and StoreNode
+(store.py) in and out of them, asking the index at each step.
+
+Concurrency contract. ``_lock`` (one plain Lock) guards:
+- ``_entries`` and every field of every Entry;
+- the per-tier policies, the published DRAM index and the order of events;
+- the tiers' space: ``Tier.allocate`` and ``Tier.release`` are called only under it.
+Every public method takes the lock at most once and returns with it released; callers
+never hold it. Byte copies (a reservation's fill, a read's copy, demotion and
+promotion I/O) run OUTSIDE it, on places kept alive by a pin (``Entry.pins``), a
+reservation, or the MOVING state. An entry with ``pins > 0`` or ``state != READY`` is
+never a victim. A place a pinned reader may still use is not released when its entry
+moves or goes: it joins ``Entry.stale`` and is released at the last unpin, so readers
+never see freed or reused bytes. Lock order: this lock, then a tier's own (the SSD
+tier's index lock); a tier never calls back into the index.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from kvstore.blocks import BlockHeader
+from kvstore.errors import CapacityError
+from kvstore.events import BlockMoved, BlockRemoved, BlockStored, EventQueue
+from kvstore.keys import BlockKey
+from kvstore.node.eviction import BlockFilter, EvictResult
+from kvstore.observe.counters import NodeCounters
+from kvstore.shm.index import IndexWriter
+from kvstore.tiering import TierKind
+from kvstore.tiers.base import NO_PLACE, Tier
+from kvstore.tiers.policy import EvictionPolicy, make_policy
+
+__all__ = ["BlockIndex", "Entry"]
+
+log = logging.getLogger(__name__)
+
+
+class _State(IntEnum):
+    READY = 0
+    MOVING = 1  # being demoted or promoted; readable from its current place
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    """One stored block. Its fields belong to the index's lock: outside the index only
+    ``key``, ``size`` and ``header`` (which never change) may be read."""
+
+    key: bytes
+    level: int  # index into the node's tiers, fastest first
+    place: int  # where in that tier (an extent offset, or NO_PLACE)
+    size: int  # header + payload bytes
+    header: BlockHeader
+    pins: int = 0
+    state: _State = _State.READY
+    gone: bool = False  # removed from the index while pinned or moving
+    stale: list[tuple[int, int]] = field(default_factory=list)  # (level, place) to release
+    used_at: float = 0.0  # time.monotonic() of the last store or hit (admin --older-than)
+
+
+@dataclass(slots=True)
+class Room:
+    """What :meth:`BlockIndex.claim` found: a place, or a victim the caller must demote
+    (already MOVING and pinned for it), or neither when the key is already stored."""
+
+    place: int | None = None
+    victim: Entry | None = None
+
+
+class BlockIndex:
+    """Key -> Entry for one node's tiers, their eviction order, pins and events."""
+
+    def __init__(
+        self, tiers: Sequence[Tier], policy: str, events: EventQueue, counters: NodeCounters
+    ) -> None:
+        self._tiers = tiers  # the node's list, fastest first; appended to while opening
+        self._policy = policy
+        self._events = events
+        self._counters = counters
+        self._lock = threading.Lock()
+        self._entries: dict[Hashable, Entry] = {}
+        self._policies: list[EvictionPolicy] = []
+        self._published: IndexWriter | None = None
+
+    # -- opening and closing ---------------------------------------------------------------
+
+    def add_tier(self, tier: Tier) -> None:
+        """Index a tier appended below the others (with its own policy), and the blocks
+        it already holds (a persistent tier after a restart)."""
+        with self._lock:
+            self._policies.append(make_policy(self._policy, tier.capacity))
+            level = len(self._policies) - 1
+        now = time.monotonic()
+        for key, header in tier.stored():  # tier I/O: outside the lock
+            size = header.total_len
+            with self._lock:
+                self._entries[key] = Entry(key, level, NO_PLACE, size, header, used_at=now)
+                self._policies[level].insert(key, size)
+                self._events.put(BlockStored(key, tier.kind, size, header.namespace_fp))
+
+    def publish(self, writer: IndexWriter | None) -> str:
+        """Keep ``writer`` (the shared-memory index of the tier same-host readers map)
+        in step from now on, starting with what that tier holds; returns the name of
+        the index kept (an earlier one stays; None just asks for its name)."""
+        with self._lock:
+            if self._published is None and writer is not None:
+                self._published = writer
+                for e in self._entries.values():
+                    self._publish_locked(e)
+            elif writer is not None and writer is not self._published:
+                writer.close()
+            return "" if self._published is None else self._published.name
+
+    @property
+    def published(self) -> bool:
+        """Whether a shared-memory index is kept in step."""
+        return self._published is not None
+
+    def close(self) -> IndexWriter | None:
+        """Stop publishing; returns the writer for the caller to close."""
+        with self._lock:
+            writer, self._published = self._published, None
+        return writer
+
+    # -- queries ----------------------------------------------------------------------------
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is stored (any tier)."""
+        with self._lock:
+            return [k in self._entries for k in keys]
+
+    def prefix_len(self, keys: Sequence[bytes]) -> int:
+        """How many leading keys are stored."""
+        n = 0
+        with self._lock:
+            for k in keys:
+                if k not in self._entries:
+                    break
+                n += 1
+        return n
+
+    def tier_of(self, key: bytes) -> TierKind | None:
+        """Where a block lives now (None if absent)."""
+        with self._lock:
+            e = self._entries.get(key)
+            return None if e is None else self._tiers[e.level].kind
+
+    def keys(self, tier: TierKind | None = None) -> list[BlockKey]:
+        """Stored keys, optionally of one tier (a snapshot)."""
+        with self._lock:
+            return [
+                BlockKey(e.key)
+                for e in self._entries.values()
+                if tier is None or self._tiers[e.level].kind is tier
+            ]
+
+    def snapshot(self) -> list[tuple[BlockKey, TierKind, int]]:
+        """Every block with its tier and size, at one instant (for re-syncs)."""
+        with self._lock:
+            return [
+                (BlockKey(e.key), self._tiers[e.level].kind, e.size) for e in self._entries.values()
+            ]
+
+    def scan(
+        self, limit: int, tier: TierKind | None = None, flt: BlockFilter | None = None
+    ) -> list[tuple[BlockKey, TierKind, int, bytes]]:
+        """Up to ``limit`` blocks as (key, tier, size, namespace fingerprint), oldest
+        stored first, those ``flt`` accepts."""
+        now = time.monotonic()
+        with self._lock:
+            rows = (
+                (BlockKey(e.key), self._tiers[e.level].kind, e.size, e.header.namespace_fp)
+                for e in self._entries.values()
+                if (tier is None or self._tiers[e.level].kind is tier)
+                and (flt is None or flt.matches(e.key, e.header.namespace_fp, e.used_at, now))
+            )
+            return list(itertools.islice(rows, limit))
+
+    def stats(self) -> tuple[dict[str, dict[str, int]], int]:
+        """Per tier: capacity, used, blocks; plus the number of pinned blocks."""
+        with self._lock:
+            per = {
+                t.kind.value: {"capacity": t.capacity, "used": t.used, "blocks": 0}
+                for t in self._tiers
+            }
+            for e in self._entries.values():
+                per[self._tiers[e.level].kind.value]["blocks"] += 1
+            pinned = sum(1 for e in self._entries.values() if e.pins)
+        return per, pinned
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def pin(self, key: bytes, namespace_fp: bytes | None) -> tuple[Entry, int, int] | None:
+        """Pin a block (a hit) and return it with its (level, place) now, or count a
+        miss; a namespace mismatch is a miss."""
+        with self._lock:
+            e = self._entries.get(key)
+            if e is None:
+                self._counters.inc("misses")
+                return None
+            if namespace_fp is not None and e.header.namespace_fp != namespace_fp:
+                self._counters.inc("namespace_mismatch")
+                self._counters.inc("misses")
+                return None
+            e.pins += 1
+            e.used_at = time.monotonic()
+            self._policies[e.level].touch(key)
+            self._counters.inc(f"hits_{self._tiers[e.level].kind.value}")
+            return e, e.level, e.place
+
+    def unpin(self, e: Entry) -> None:
+        """Unpin; places left behind by moves or removals are released at the last unpin."""
+        with self._lock:
+            e.pins -= 1
+            if e.pins == 0:
+                self._release_stale_locked(e)
+
+    def touch(self, keys: Sequence[bytes]) -> int:
+        """Count reads that happened without a pin (published-index readers) as DRAM hits
+        and refresh each block's recency; returns how many are still stored."""
+        now = time.monotonic()
+        found = 0
+        with self._lock:
+            self._counters.inc("hits_dram", len(keys))
+            for key in keys:
+                e = self._entries.get(key)
+                if e is not None:
+                    e.used_at = now
+                    self._policies[e.level].touch(key)
+                    found += 1
+        return found
+
+    # -- writes -----------------------------------------------------------------------------
+
+    def claim(self, level: int, size: int, unless_stored: bytes | None = None) -> Room:
+        """Room for ``size`` bytes in tier ``level``: a place when the tier has it now,
+        else a victim to demote (the last tier's victims are dropped here, until a place
+        is found). With ``unless_stored``, an empty Room when that key is stored.
+        CapacityError when every block in the way is pinned or moving."""
+        tier = self._tiers[level]
+        last = level + 1 == len(self._tiers)
+        with self._lock:
+            if unless_stored is not None and unless_stored in self._entries:
+                return Room()
+            while True:
+                place = tier.allocate(size)
+                if place is not None:
+                    return Room(place=place)
+                victim_key = self._policies[level].pop_victim(self._busy)
+                if victim_key is None:
+                    raise CapacityError(
+                        f"{tier.kind.value} tier is full and every block in it is pinned"
+                    )
+                victim = self._entries[victim_key]
+                if not last:
+                    victim.state = _State.MOVING
+                    victim.pins += 1
+                    return Room(victim=victim)
+                self._counters.inc(f"evictions_{tier.kind.value}")  # it leaves the node
+                self._drop_locked(victim)
+
+    def _busy(self, key: Hashable) -> bool:
+        e = self._entries.get(key)
+        return e is None or e.pins > 0 or e.state is not _State.READY
+
+    def commit(self, key: bytes, level: int, place: int, header: BlockHeader) -> bool:
+        """Make a filled, sealed block visible. False (its place released) when the key
+        was stored meanwhile: keys name content, the first copy stays."""
+        size = header.total_len
+        with self._lock:
+            if key in self._entries:
+                self._tiers[level].release(key, place)
+                return False
+            e = Entry(key, level, place, size, header, used_at=time.monotonic())
+            self._entries[key] = e
+            self._publish_locked(e)
+            self._policies[level].insert(key, size)
+            self._events.put(BlockStored(key, self._tiers[level].kind, size, header.namespace_fp))
+        return True
+
+    def discard(self, key: bytes, level: int, place: int) -> None:
+        """Release a place that never became (or no longer is) a visible block's."""
+        with self._lock:
+            self._discard_locked(key, level, place)
+
+    def _discard_locked(self, key: bytes, level: int, place: int) -> None:
+        if place != NO_PLACE or not self._holds(key, level):
+            self._tiers[level].release(key, place)
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        """Forget blocks; returns how many were present. Pinned ones' places are
+        released at their last unpin."""
+        n = 0
+        with self._lock:
+            for k in keys:
+                e = self._entries.get(k)
+                if e is not None:
+                    self._drop_locked(e)
+                    n += 1
+        return n
+
+    # -- moves (the mover's steps; each one acquisition) ----------------------------------
+
+    def end_demotion(self, e: Entry, dst_level: int, place: int | None) -> None:
+        """A victim's copy one tier down is done (``place``) or failed (None: dropped)."""
+        src = self._tiers[e.level]
+        with self._lock:
+            e.state = _State.READY
+            e.pins -= 1
+            if place is None or e.gone:
+                if not e.gone:
+                    self._counters.inc(f"evictions_{src.kind.value}")
+                    self._drop_locked(e)
+                elif place is not None:
+                    self._discard_locked(e.key, dst_level, place)
+                return
+            self._move_locked(e, dst_level, place)
+            self._counters.inc(f"demotions_{src.kind.value}")
+            self._counters.inc(f"bytes_demoted_{src.kind.value}", e.size)
+            if e.pins == 0:
+                self._release_stale_locked(e)
+
+    def begin_promotion(self, e: Entry, level: int) -> bool:
+        """Mark a pinned block read from ``level`` as moving up, when it may."""
+        with self._lock:
+            promote = e.state is _State.READY and not e.gone and e.level == level
+            if promote:
+                e.state = _State.MOVING
+            return promote
+
+    def end_promotion(self, e: Entry, place: int | None, ok: bool) -> bool:
+        """After a promoting read: ``ok`` False means the bytes were unreadable (the block
+        is dropped, ``place`` released), ``place`` None that there was no room. Returns
+        whether the block now lives at ``place`` in the top tier; when it was removed
+        meanwhile, False and the caller still owns ``place`` (to copy out, then discard)."""
+        with self._lock:
+            e.state = _State.READY
+            if not ok:
+                if place is not None:
+                    self._tiers[0].release(e.key, place)
+                if not e.gone:
+                    self._drop_locked(e)
+                return False
+            if place is None:
+                return False
+            if e.gone:
+                return False
+            self._policies[e.level].remove(e.key)
+            self._move_locked(e, 0, place)
+            self._counters.inc("promotions")
+            self._counters.inc("bytes_promoted", e.size)
+        return True
+
+    def _move_locked(self, e: Entry, level: int, place: int) -> None:
+        src = self._tiers[e.level]  # its policy let go of it already
+        self._unpublish_locked(e)
+        e.stale.append((e.level, e.place))
+        e.level, e.place = level, place
+        self._publish_locked(e)
+        self._policies[level].insert(e.key, e.size)
+        self._events.put(BlockMoved(e.key, src.kind, self._tiers[level].kind))
+
+    def plan_eviction(
+        self, level: int, target: int, flt: BlockFilter, skipped: set[bytes]
+    ) -> tuple[list[tuple[bytes, int]], int]:
+        """Candidates (key, size) in eviction order until the projected use of tier
+        ``level`` reaches ``target``, and that projected use; pinned or moving
+        candidates go to ``skipped``."""
+        now = time.monotonic()
+        with self._lock:
+            projected = self._tiers[level].used
+            plan: list[tuple[bytes, int]] = []
+            for key in self._policies[level]:
+                if projected <= target:
+                    break
+                e = self._entries.get(key)
+                if e is None or e.level != level:
+                    continue
+                if not flt.matches(e.key, e.header.namespace_fp, e.used_at, now):
+                    continue
+                if e.pins > 0 or e.state is not _State.READY:
+                    skipped.add(e.key)
+                    continue
+                plan.append((e.key, e.size))
+                projected -= e.size
+        return plan, max(projected, 0)
+
+    def take_for_eviction(
+        self, level: int, key: bytes, target: int, res: EvictResult, skipped: set[bytes]
+    ) -> Entry | bool:
+        """One planned block: dropped here from the last tier (True), or returned MOVING
+        and pinned for the caller to demote; False when the target is met or the block
+        moved, went, or is pinned now."""
+        tier = self._tiers[level]
+        with self._lock:
+            if tier.used <= target:
+                return False
+            e = self._entries.get(key)
+            if e is None or e.level != level:
+                return False
+            if e.pins > 0 or e.state is not _State.READY:
+                skipped.add(key)
+                return False
+            self._policies[level].remove(key)
+            res.nbytes += e.size
+            if not res.next_tier:
+                self._counters.inc(f"evictions_{tier.kind.value}")
+                self._drop_locked(e)
+                return True
+            e.state, e.pins = _State.MOVING, e.pins + 1
+            return e
+
+    # -- under the lock -----------------------------------------------------------------------
+
+    def _holds(self, key: bytes, level: int) -> bool:
+        cur = self._entries.get(key)
+        return cur is not None and cur.level == level
+
+    def _drop_locked(self, e: Entry) -> None:
+        if self._entries.get(e.key) is e:
+            del self._entries[e.key]
+        e.gone = True
+        self._unpublish_locked(e)
+        self._policies[e.level].remove(e.key)
+        self._events.put(BlockRemoved(e.key, self._tiers[e.level].kind))
+        e.stale.append((e.level, e.place))
+        if e.pins == 0:
+            self._release_stale_locked(e)
+
+    def _release_stale_locked(self, e: Entry) -> None:
+        while e.stale:
+            level, place = e.stale.pop()
+            self._discard_locked(e.key, level, place)
+
+    def _publish_locked(self, e: Entry) -> None:
+        w = self._published
+        if (
+            w is not None
+            and self._tiers[e.level].shm_name is not None
+            and not w.publish(e.key, e.place)
+        ):
+            self._counters.inc("shm_index_full")  # its reads take a lease instead
+
+    def _unpublish_locked(self, e: Entry) -> None:
+        """Before a shared extent is left (released now or at the last unpin): readers
+        that copy without a pin check the index after copying (kvstore/shm/index.py)."""
+        if self._published is not None and self._tiers[e.level].shm_name is not None:
+            self._published.unpublish(e.key)

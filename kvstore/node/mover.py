@@ -1,0 +1,170 @@
+"""TierMover: the bytes of blocks moving between one node's tiers.
+
+A full tier makes room by demoting its policy's victim one tier down (HBM -> DRAM ->
+SSD); the last tier drops it. An SSD hit is promoted back to the top tier. Admin
+evictions demote or drop what a filter selects. A block lives in exactly one tier at
+a time. The mover asks the index (index.py) for every decision and copies bytes only
+between its calls, never under the index's lock: see the contract there.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvstore.errors import BlockTooLarge, CapacityError, CorruptBlock, KVStoreError, NotFound
+from kvstore.node.eviction import BlockFilter, EvictResult
+from kvstore.node.index import BlockIndex, Entry
+from kvstore.observe.counters import NodeCounters
+from kvstore.tiering import TierKind
+from kvstore.tiers.base import HostPayload, Payload, Tier
+
+__all__ = ["TierMover"]
+
+log = logging.getLogger(__name__)
+
+_ROUNDS = 1 << 16  # victims one make_room may demote before giving up
+
+
+class TierMover:
+    """Room-making, demotion, promotion and admin eviction over a node's tiers."""
+
+    def __init__(self, tiers: Sequence[Tier], index: BlockIndex, counters: NodeCounters) -> None:
+        self._tiers = tiers
+        self._index = index
+        self._counters = counters
+
+    def make_room(self, level: int, size: int, unless_stored: bytes | None = None) -> int | None:
+        """A place for ``size`` bytes in tier ``level``, demoting victims one tier down
+        (outside the index's lock) until there is one. None when ``unless_stored`` is
+        given and that key is stored. BlockTooLarge when it could never fit."""
+        tier = self._tiers[level]
+        if not tier.fits_ever(size):
+            raise BlockTooLarge(f"block of {size} bytes exceeds the {tier.kind.value} tier")
+        for _ in range(_ROUNDS):
+            room = self._index.claim(level, size, unless_stored)
+            if room.victim is None:
+                return room.place
+            self._demote(room.victim, level)
+        raise CapacityError(f"could not free {size} bytes in the {tier.kind.value} tier")
+
+    def _demote(self, e: Entry, level: int) -> None:
+        """Copy a victim (MOVING, pinned for us) from ``level`` one tier down, or drop it."""
+        place: int | None = None
+        try:
+            place = self._copy_down(e, level)
+        except KVStoreError as exc:
+            log.warning("demotion of %s failed, dropping it: %s", e.key.hex(), exc)
+        self._index.end_demotion(e, level + 1, place)
+
+    def _copy_down(self, e: Entry, level: int) -> int:
+        src = self._tiers[level].payload(e.place, e.header.payload_len)
+        if src is None:
+            raise CapacityError(f"the {self._tiers[level].kind.value} tier cannot demote")
+        dst_level = level + 1
+        dst = self._tiers[dst_level]
+        for _attempt in range(3):
+            place = self.make_room(dst_level, e.size)
+            assert place is not None
+            try:
+                dst.store(e.key, place, e.header, src)
+                return place
+            except CapacityError:
+                continue  # another writer took the room between check and write
+        raise CapacityError(f"no room in the {dst.kind.value} tier after 3 tries")
+
+    def read_through(self, e: Entry, level: int) -> tuple[Payload, int] | None:
+        """Read a pinned block from a tier that only copies out (SSD), verified, and
+        promote it to the top tier when there is room.
+
+        Returns (payload, place): the top tier's bytes and their place after a
+        promotion, else a private buffer and -1. None when the bytes are unreadable or
+        gone (counted; the block is dropped).
+        """
+        n = e.header.payload_len
+        promote = self._index.begin_promotion(e, level)
+        place: int | None = None
+        if promote:
+            try:
+                place = self.make_room(0, e.size)
+            except KVStoreError:
+                place = None
+        top = self._tiers[0]
+        dst = top.payload(place, n) if place is not None else None
+        if dst is None:
+            dst = HostPayload(np.empty(n, dtype=np.uint8))
+        try:
+            self._tiers[level].load(e.key, e.place, e.header, dst)
+        except (CorruptBlock, NotFound) as exc:
+            self._counters.inc("corrupt_blocks" if isinstance(exc, CorruptBlock) else "lost_blocks")
+            kind = self._tiers[level].kind.value
+            log.warning("%s block %s unreadable: %s", kind, e.key.hex(), exc)
+            self._index.end_promotion(e, place, ok=False)
+            return None
+        if not promote:
+            return dst, -1
+        if place is not None:
+            top.seal(place, e.header)
+        if self._index.end_promotion(e, place, ok=True):
+            assert place is not None
+            return dst, place
+        if place is None:
+            return dst, -1
+        copy = HostPayload(np.array(dst.host()))  # removed meanwhile: a private copy,
+        self._index.discard(e.key, 0, place)  # taken before its place goes back
+        return copy, -1
+
+    def evict_where(
+        self,
+        tier: TierKind,
+        target_bytes: int,
+        flt: BlockFilter | None = None,
+        *,
+        dry_run: bool = False,
+        list_limit: int = 0,
+    ) -> EvictResult:
+        """Evict blocks ``flt`` accepts, in the tier's eviction order, until the tier
+        uses at most ``target_bytes`` or no candidate is left.
+
+        Tiers with one below demote to it, the last tier drops. Pinned (or moving)
+        candidates are never taken; they are counted in ``skipped_pinned``. A dry run
+        plans and changes nothing. The plan is made under the index's lock and carried
+        out one block at a time (each re-checked, demotion I/O outside the lock), in
+        rounds, because writers may fill the tier meanwhile.
+        """
+        flt = flt or BlockFilter()
+        level = [t.kind for t in self._tiers].index(tier)
+        demotes = level + 1 < len(self._tiers)
+        res = EvictResult(tier.value, self._tiers[level].capacity, self._tiers[level].used)
+        res.dry_run = dry_run
+        res.next_tier = self._tiers[level + 1].kind.value if demotes else ""
+        skipped: set[bytes] = set()
+        for _round in range(64):
+            plan, projected = self._index.plan_eviction(level, target_bytes, flt, skipped)
+            res.blocks.extend(plan[: max(list_limit - len(res.blocks), 0)])
+            if dry_run:
+                res.used_after = projected
+                res.nbytes = sum(size for _, size in plan)
+                res.demoted, res.dropped = (len(plan), 0) if demotes else (0, len(plan))
+                break
+            if not any([self._evict_one(level, k, target_bytes, res, skipped) for k, _ in plan]):
+                break
+        res.skipped_pinned = len(skipped)
+        if not dry_run:
+            res.used_after = self._tiers[level].used
+        return res
+
+    def _evict_one(
+        self, level: int, key: bytes, target: int, res: EvictResult, skipped: set[bytes]
+    ) -> bool:
+        taken = self._index.take_for_eviction(level, key, target, res, skipped)
+        if taken is True:
+            res.dropped += 1
+            return True
+        if taken is False:
+            return False
+        self._demote(taken, level)
+        res.demoted += 1
+        return True
