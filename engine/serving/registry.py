@@ -29,9 +29,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from kvstore.config import ClusterConfig, load_layered
 from kvstore.errors import ConfigError, DirectoryError, Unavailable
 
 __all__ = [
+    "resolve_directory",
     "ROLES",
     "WorkerLoad",
     "WorkerRecord",
@@ -337,3 +339,11 @@ class WorkerView:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+
+
+def resolve_directory(args: Any) -> Any:
+    """Fill ``args.etcd`` / ``args.cluster`` from flags, then ``KVSTORE_ETCD`` /
+    ``KVSTORE_CLUSTER``, then the defaults (kvstore/config.py reads the environment)."""
+    cfg = load_layered(ClusterConfig, flags={"etcd": args.etcd, "cluster": args.cluster})
+    args.etcd, args.cluster = cfg.etcd, cfg.cluster
+    return args

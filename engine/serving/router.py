@@ -36,7 +36,7 @@ from engine.serving.loading import load_tokenizer
 from engine.serving.metrics import RouterMetrics
 from engine.serving.openai_api import APIError, GenRequest, chunk, completion, parse_request
 from engine.serving.placement import Placer, PrefixView, Route
-from engine.serving.registry import WorkerRecord, WorkerView
+from engine.serving.registry import WorkerRecord, WorkerView, resolve_directory
 from engine.serving.upstream import Started, StreamCut, Upstream, WorkerFailed
 
 __all__ = ["Router", "RouterConfig", "add_arguments", "main"]
@@ -411,9 +411,8 @@ class Router:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``kvstore router`` (also ``python -m engine.serving.router``)."""
-    p.add_argument("--etcd", default=os.environ.get("KVSTORE_ETCD", "127.0.0.1:2379"),
-                   help="etcd HOST:PORT (KVSTORE_ETCD)")  # fmt: skip
-    p.add_argument("--cluster", default="default", help="cluster name in etcd")
+    p.add_argument("--etcd", default=None, help="etcd HOST:PORT (KVSTORE_ETCD; 127.0.0.1:2379)")
+    p.add_argument("--cluster", default=None, help="cluster name in etcd (KVSTORE_CLUSTER)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (0 picks one)")
     p.add_argument("--policy", default="cache_aware",
@@ -441,6 +440,7 @@ def run_router(args: argparse.Namespace) -> int:
 
     from engine.serving.worker import _bind
 
+    resolve_directory(args)
     router = Router(config_from_args(args))
     sock = _bind(args.host, args.port)
     url = f"http://{args.host}:{sock.getsockname()[1]}"

@@ -39,7 +39,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine.serving.registry import ROLES, WorkerRecord, WorkerRegistration
+from engine.serving.registry import ROLES, WorkerRecord, WorkerRegistration, resolve_directory
 from engine.serving.runtime import Faults, WorkerEngine
 
 __all__ = ["add_arguments", "build_app", "main", "run_worker"]
@@ -168,12 +168,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--role", choices=ROLES, required=True, help="prefill, decode or both")
     p.add_argument("--model", default="tiny", help="tiny, smollm2 or a local model directory")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
-    p.add_argument(
-        "--etcd",
-        default=os.environ.get("KVSTORE_ETCD", "127.0.0.1:2379"),
-        help="etcd HOST:PORT (KVSTORE_ETCD)",
-    )
-    p.add_argument("--cluster", default="default", help="cluster name in etcd")
+    p.add_argument("--etcd", default=None, help="etcd HOST:PORT (KVSTORE_ETCD; 127.0.0.1:2379)")
+    p.add_argument("--cluster", default=None, help="cluster name in etcd (KVSTORE_CLUSTER)")
     p.add_argument("--store-node", default="", help="id of the store node beside this worker")
     p.add_argument("--worker-id", default="", help="unique id (default: role + random)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
@@ -244,6 +240,7 @@ def run_worker(args: argparse.Namespace) -> int:
     from engine.serving.loading import load_model
     from engine.serving.runtime import calibrate_prefill
 
+    resolve_directory(args)
     torch.set_num_threads(max(args.threads, 1))
     wid = args.worker_id or f"{args.role}-{uuid.uuid4().hex[:6]}"
     if not _ID.fullmatch(wid):

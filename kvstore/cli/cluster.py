@@ -65,7 +65,9 @@ def add_parser(sub: Any) -> None:
         "'kvstore serve' nodes registered to it; print where they are; stop them all "
         "on Ctrl-C or SIGTERM. Auth: --tokens-file, --allow-anonymous, KVSTORE_AUTH_TOKEN, "
         "or a fresh token that is printed.",
-        epilog="example: kvstore up --nodes 3 --dram 512MiB --ssd 4GiB",
+        epilog="examples: kvstore up --nodes 3 --dram 512MiB --ssd 4GiB\n"
+        "          kvstore up --nodes 1 --prefill 2 --decode 1 --router --model tiny",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     up.add_argument("--nodes", type=int, default=2, help="how many nodes (default 2)")
     up.add_argument("--dram", default="256MiB", help="DRAM tier per node (default 256MiB)")
@@ -77,6 +79,13 @@ def add_parser(sub: Any) -> None:
     up.add_argument("--tokens-file", default="", help="tokens file handed to every node")
     up.add_argument("--allow-anonymous", action="store_true", help="nodes accept no token")
     up.add_argument("--node-lease-ttl-s", type=float, help="directory lease TTL of each node")
+    up.add_argument("--prefill", type=int, default=0, help="prefill workers to start (0)")
+    up.add_argument("--decode", type=int, default=0, help="decode workers to start (0)")
+    up.add_argument("--both", type=int, default=0, help="workers doing both phases (0)")
+    up.add_argument("--router", action="store_true", help="start the OpenAI-compatible router")
+    up.add_argument("--model", default="tiny", help="workers' model: tiny, smollm2 or a path")
+    up.add_argument("--router-port", type=int, default=8000, help="router port (0 picks one)")
+    up.add_argument("--policy", default="cache_aware", help="router placement policy")
     up.add_argument("--json", action="store_true", help="print the ready document as JSON")
     up.set_defaults(func=_cmd_up)
 
@@ -139,18 +148,49 @@ def _cmd_up(args: argparse.Namespace) -> int:
         allow_anonymous=args.allow_anonymous,
         node_lease_ttl_s=args.node_lease_ttl_s,
     )
+    pool = None
     try:
         cluster.start()
         doc = {"event": "ready", **cluster.describe()}
+        if args.prefill or args.decode or args.both or args.router:
+            pool = _serving_pool(args, cluster).start()
+            doc["serving"] = pool.describe()
         if args.json:
             print(json.dumps(doc), flush=True)
         else:
             _print_up(doc)
         return _watch(cluster, stop)
     finally:
+        if pool is not None:
+            pool.stop()
         cluster.stop()
         if not args.json:
             print("kvstore up: stopped", flush=True)
+
+
+def _serving_pool(args: argparse.Namespace, cluster: Any) -> Any:
+    """Workers beside the nodes (worker i on node i mod N) and the router, as processes."""
+    from engine.serving.launch import PoolSpec, ServingPool
+
+    spec = PoolSpec(
+        model=args.model,
+        prefill=args.prefill,
+        decode=args.decode,
+        both=args.both,
+        router=args.router,
+        router_port=args.router_port,
+        policy=args.policy,
+        host=args.host,
+    )
+    settings = {"token": cluster.token} if cluster.token is not None else {}
+    return ServingPool(
+        spec,
+        etcd=cluster.etcd_endpoint,
+        cluster=cluster.cluster,
+        node_ids=[n.node_id for n in cluster.nodes],
+        root=cluster.root / "serving",
+        settings=settings,
+    )
 
 
 def _watch(cluster: Any, stop: threading.Event) -> int:
@@ -185,6 +225,15 @@ def _print_up(doc: dict[str, Any]) -> None:
     ]
     if "token" in doc:
         lines.append(f"export KVSTORE_TOKEN={doc['token']}  # generated")
+    serving = doc.get("serving")
+    if serving:
+        for w in serving["workers"]:
+            lines.append(
+                f"worker {w['worker_id']} ({w.get('role')}, pid {w['pid']}) at "
+                f"{w.get('address')} beside {w.get('store_node')}"
+            )
+        if serving["router"]:
+            lines.append(f"router: {serving['router']['url']}/v1  (OpenAI-compatible)")
     lines.append("Ctrl-C stops every process started here.")
     _print(t, *lines)
 

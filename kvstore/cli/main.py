@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     from engine import demo_cli, plan
+    from engine.serving import cli as serving
     from kvstore.cli import admin, cluster
     from kvstore.server import serve as server
 
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_parser(sub)
     plan.add_parser(sub)
     admin.add_parser(sub)
+    serving.add_parser(sub)
     return parser
 
 
