@@ -170,7 +170,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--etcd", default=None, help="etcd HOST:PORT (KVSTORE_ETCD; 127.0.0.1:2379)")
     p.add_argument("--cluster", default=None, help="cluster name in etcd (KVSTORE_CLUSTER)")
-    p.add_argument("--store-node", default="", help="id of the store node beside this worker")
+    p.add_argument(
+        "--store-node",
+        default="",
+        help="id of the store node beside this worker ('auto': the one on this host)",
+    )
     p.add_argument("--worker-id", default="", help="unique id (default: role + random)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=int, default=0, help="HTTP port (0 picks one)")
@@ -198,6 +202,28 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _node_on_this_host(cluster: Any, wait_s: float = 15.0) -> str:
+    """``--store-node auto``: the store node whose host id (boot id) is this host's, so a
+    worker scheduled beside a node (a Kubernetes pod on the same machine) finds it
+    without being told its name; the first node by id when none is here."""
+    from kvstore.wire.locality import host_id
+
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        nodes = cluster.nodes()
+        here = sorted(n for n, info in nodes.items() if info.host_id and info.host_id == host_id())
+        if here:
+            return str(here[0])
+        if nodes and time.monotonic() > deadline - wait_s / 2:
+            first = sorted(nodes)[0]
+            logging.getLogger(__name__).warning(
+                "no store node on this host; writing to %s over the network", first
+            )
+            return str(first)
+        time.sleep(0.2)
+    raise SystemExit("--store-node auto: no store node registered in the directory")
+
+
 def _store_clients(args: argparse.Namespace, namespace: Any) -> tuple[Any, Any, Any]:
     """(cluster client, local guarded store, node id -> guarded store)."""
     from engine.serving.stores import GuardedStore
@@ -222,6 +248,8 @@ def _store_clients(args: argparse.Namespace, namespace: Any) -> tuple[Any, Any, 
         return guarded[node_id]
 
     local = None
+    if args.store_node == "auto":
+        args.store_node = _node_on_this_host(cluster)
     if args.store_node:
         deadline = time.monotonic() + 15.0
         while args.store_node not in cluster.nodes() and time.monotonic() < deadline:

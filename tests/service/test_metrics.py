@@ -346,8 +346,12 @@ def _k8s_size(v: str) -> int:
 def test_compose_file_is_consistent() -> None:
     doc = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
     services = doc["services"]
-    assert set(services) == {"etcd", "kvstore-0", "kvstore-1", "prometheus", "grafana"}
+    assert set(services) == {
+        "etcd", "kvstore-0", "kvstore-1", "prefill-0", "prefill-1", "decode-0", "router",
+        "prometheus", "grafana",
+    }  # fmt: skip
     nodes = {n: s for n, s in services.items() if n.startswith("kvstore-")}
+    _check_serving_services(services, nodes)
     env = {n: s["environment"] for n, s in nodes.items()}
     for name, svc in services.items():
         assert ":" in svc["image"] and not svc["image"].endswith(":latest"), name
@@ -390,6 +394,36 @@ def test_compose_file_is_consistent() -> None:
         assert e["KVSTORE_METRICS_PORT"] in dockerfile
 
 
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def _check_serving_services(services: dict[str, Any], nodes: dict[str, Any]) -> None:
+    """Workers name a store node that exists and advertise their own hostname; every
+    command parses with the real CLI; the router is published on loopback only."""
+    from kvstore.cli.main import build_parser
+
+    parser = build_parser()
+    roles = {}
+    for name, svc in services.items():
+        command = svc.get("command", [])
+        if not command or command[0] not in ("worker", "router"):
+            continue
+        args = parser.parse_args(command)  # a typo in a flag fails here
+        env = svc["environment"]
+        assert env["KVSTORE_ETCD"] == "etcd:2379" and env["KVSTORE_TOKEN"]
+        assert (DEPLOY / svc["build"]["context"] / svc["build"]["dockerfile"]).is_file()
+        if command[0] == "worker":
+            roles[name] = args.role
+            assert args.store_node in nodes, f"{name}: no store node {args.store_node}"
+            assert args.advertise_host == svc["hostname"] == name
+            assert args.store_node in svc["depends_on"]
+        else:
+            assert svc["ports"] == [f"127.0.0.1:{args.port}:{args.port}"]
+            assert set(svc["depends_on"]) == set(roles)
+    assert sorted(roles.values()) == ["decode", "prefill", "prefill"]
+
+
 def test_kubernetes_manifests_are_consistent() -> None:
     kust = yaml.safe_load((DEPLOY / "k8s/kustomization.yaml").read_text())
     docs = [
@@ -400,6 +434,8 @@ def test_kubernetes_manifests_are_consistent() -> None:
         assert d["apiVersion"] and d["metadata"]["name"]
         by_kind.setdefault(d["kind"], {})[d["metadata"]["name"]] = d
     assert set(by_kind["StatefulSet"]) == {"etcd", "kvstore"}
+    assert set(by_kind["Deployment"]) == {"prefill", "decode", "router"}
+    _check_serving_deployments(by_kind)
     config = by_kind["ConfigMap"]["kvstore-config"]["data"]
     for name, sts in by_kind["StatefulSet"].items():
         spec = sts["spec"]
@@ -441,3 +477,32 @@ def test_kubernetes_manifests_are_consistent() -> None:
             assert members and len(members[1].split(",")) == spec["replicas"]
             for i in range(spec["replicas"]):
                 assert f"etcd-{i}=http://etcd-{i}.{spec['serviceName']}:2380" in members[1]
+
+
+def _check_serving_deployments(by_kind: dict[str, dict[str, Any]]) -> None:
+    """Each pool's args parse with the real CLI, its env comes from the serving config
+    and the client-token Secret, and the router's Service reaches its port."""
+    from kvstore.cli.main import build_parser
+
+    parser = build_parser()
+    config = by_kind["ConfigMap"]["kvstore-serving"]["data"]
+    assert config["KVSTORE_ETCD"] == by_kind["ConfigMap"]["kvstore-config"]["data"]["KVSTORE_ETCD"]
+    for name, dep in by_kind["Deployment"].items():
+        pod = dep["spec"]["template"]
+        assert dep["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+        (container,) = pod["spec"]["containers"]
+        args = parser.parse_args(container["args"])
+        assert args.command == ("router" if name == "router" else "worker")
+        if name != "router":
+            assert args.role == name and args.store_node == "auto"
+        token = next(e for e in container["env"] if e["name"] == "KVSTORE_TOKEN")
+        assert token["valueFrom"]["secretKeyRef"]["name"] == "kvstore-client-token"
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports["http"] == args.port
+    svc = by_kind["Service"]["router"]
+    assert svc["spec"]["selector"].items() <= (
+        by_kind["Deployment"]["router"]["spec"]["template"]["metadata"]["labels"].items()
+    )
+    affinity = by_kind["Deployment"]["prefill"]["spec"]["template"]["spec"]["affinity"]
+    beside = affinity["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
+    assert beside["labelSelector"]["matchLabels"] == {"app.kubernetes.io/name": "kvstore"}
