@@ -32,11 +32,12 @@ from typing import Any
 from google.protobuf.message import DecodeError, Message
 
 from kvstore._proto import store_pb2 as pb
+from kvstore.blocks import ValueInfo
 from kvstore.config import ServerConfig
 from kvstore.errors import KVStoreError, Unavailable
 from kvstore.node.store import BlockRead
 from kvstore.server.auth import TokenTable
-from kvstore.server.gateway import Gateway, ReadItem
+from kvstore.server.gateway import Gateway, ReadItem, WriteItem
 from kvstore.tenants import Principal
 from kvstore.wire.codec import info_from_meta, status_of
 from kvstore.wire.frames import (
@@ -319,37 +320,24 @@ class _Session:
 
     def get(self, meta: bytes, body_len: int) -> None:
         req = _parse(pb.GetRequest, meta)
-        ns = self.gw.namespace(self.principal, req.scope.model, req.scope.layout)
-        reads = self.gw.open_reads(self.principal, req.keys, ns, count=False)
-        try:
+        with self.gw.read(self.principal, req.scope.model, req.scope.layout, req.keys) as batch:
             resp = pb.GetResponse()
-            parts = [self._describe(r, resp.blocks.add()) for r in reads]
+            parts = [self._describe(r, resp.blocks.add()) for r in batch.items]
             body = [mv for mv in parts if mv is not None]
-            total = sum(mv.nbytes for mv in body)
-            self.fs.send(Op.GET | REPLY, resp.SerializeToString(), body, total)
-            self.gw.count_reads(self.principal, reads)
-            self.gw.count_out(self.principal, "tcp", total)
-        finally:
-            self.gw.close_reads(reads)
+            self.fs.send(Op.GET | REPLY, resp.SerializeToString(), body, _total(body))
 
     def lease(self, meta: bytes, body_len: int) -> None:
         req = _parse(pb.GetRequest, meta)
-        ns = self.gw.namespace(self.principal, req.scope.model, req.scope.layout)
-        reads = self.gw.open_reads(self.principal, req.keys, ns)
-        leased: set[int] = set()  # id() of the reads handed out under a lease
-        try:
+        scope = req.scope
+        with self.gw.lease(self.principal, scope.model, scope.layout, req.keys, self.id) as batch:
             resp = pb.GetResponse(shm_name=self.gw.node.shm_name or "")
             resp.server_now_ns = time.monotonic_ns()
-            if ns is not None:
-                resp.namespace_fp = ns.fingerprint()
+            resp.namespace_fp = batch.namespace_fp
             body = []
-            shm_bytes = 0
-            for r in reads:
+            for i, r in enumerate(batch.items):
                 ref = resp.blocks.add()
-                if isinstance(r, BlockRead) and r.shm_offset >= 0:
-                    lease = self.gw.lease_read(self.principal, r, self.id)
-                    leased.add(id(r))
-                    shm_bytes += r.header.payload_len
+                lease = batch.leases.get(i)
+                if lease is not None and isinstance(r, BlockRead):
                     ref.found, ref.header = True, r.header.pack()
                     ref.lease_id, ref.offset = lease.id, r.shm_offset
                     resp.lease_expires_ns = resp.lease_expires_ns or lease.expires_ns
@@ -357,12 +345,7 @@ class _Session:
                 mv = self._describe(r, ref)
                 if mv is not None:
                     body.append(mv)
-            total = sum(mv.nbytes for mv in body)
-            self.fs.send(Op.LEASE | REPLY, resp.SerializeToString(), body, total)
-            self.gw.count_out(self.principal, "shm", shm_bytes)
-            self.gw.count_out(self.principal, "tcp", total)
-        finally:  # leased reads end with their lease (release, expiry or this connection)
-            self.gw.close_reads([r for r in reads if id(r) not in leased])
+            self.fs.send(Op.LEASE | REPLY, resp.SerializeToString(), body, _total(body))
 
     @staticmethod
     def _describe(r: ReadItem, ref: pb.BlockRef) -> memoryview | None:
@@ -388,31 +371,40 @@ class _Session:
         # next request. What cannot be counted is logged and dropped.
         req = _parse(pb.TouchRequest, meta)
         try:
-            self.gw.touch(self.principal, req.keys, req.payload_bytes)
+            self.gw.touch(self.principal, req.keys, req.payload_bytes, req.call_seconds)
         except KVStoreError as exc:
             log.warning(
                 "data connection %d: TOUCH of %d keys dropped: %s", self.id, len(req.keys), exc
             )
-            return
-        for seconds in req.call_seconds:
-            self.gw.counters.observe("get", "shm", seconds)
 
     # -- writes ------------------------------------------------------------------------
 
     def put(self, meta: bytes, body_len: int) -> pb.PutResponse:
         req = _parse(pb.PutRequest, meta)
-        sizes = [int(it.meta.nbytes) for it in req.items]
-        if sum(sizes) != body_len:
-            raise ProtocolError(f"PUT items add up to {sum(sizes)} bytes, frame has {body_len}")
+        items = _write_items(req)
+        if sum(it.nbytes for it in items) != body_len:
+            raise ProtocolError(
+                f"PUT items add up to {sum(it.nbytes for it in items)} bytes, frame has {body_len}"
+            )
+        received = 0
+
+        def fill(target: Any, n: int) -> None:
+            nonlocal received
+            received += n
+            if target is None:
+                self.fs.discard(n)
+            else:
+                self.fs.recv_into(target.data)  # straight into the slab extent
+
         try:
-            self.gw.check_batch(len(req.items))
-            ns = self.gw.namespace(self.principal, req.scope.model, req.scope.layout)
+            results = self.gw.write(self.principal, req.scope.model, req.scope.layout, items, fill)
         except KVStoreError:
-            self._skip_body(body_len)
+            if not received and not self.fs.broken:
+                self._skip_body(body_len)  # refused whole: the stream stays in step
             raise
         resp = pb.PutResponse()
-        for item, n in zip(req.items, sizes, strict=True):
-            self._put_one(item, n, ns, resp.results.add())
+        for r in results:
+            _put_result(r, resp.results.add())
         return resp
 
     def _skip_body(self, body_len: int) -> None:
@@ -421,55 +413,28 @@ class _Session:
             raise ProtocolError(f"refused PUT body of {body_len} bytes is too large to skip")
         self.fs.discard(body_len)
 
-    def _put_one(self, item: pb.PutItem, n: int, ns: Any, out: pb.PutResult) -> None:
-        try:
-            info = info_from_meta(item.meta)
-            res = self.gw.reserve(self.principal, item.key, info, ns)
-        except KVStoreError as exc:
-            self.fs.discard(n)
-            out.error.CopyFrom(status_of(exc))
-            return
-        if res is None:  # already stored
-            self.fs.discard(n)
-            return
-        try:
-            self.fs.recv_into(res.payload.data)  # straight into the slab extent
-        except BaseException:
-            self.gw.abort(res)  # a cut-short payload never becomes visible
-            raise
-        try:
-            out.stored = self.gw.commit(self.principal, res, item.checksum, "tcp")
-        except KVStoreError as exc:
-            out.error.CopyFrom(status_of(exc))
-
     def reserve(self, meta: bytes, body_len: int) -> pb.PutResponse:
         req = _parse(pb.PutRequest, meta)
-        self.gw.check_batch(len(req.items))
-        ns = self.gw.namespace(self.principal, req.scope.model, req.scope.layout)
+        scope = req.scope
+        leases = self.gw.reserve_leased(
+            self.principal, scope.model, scope.layout, _write_items(req), self.id
+        )
         resp = pb.PutResponse(shm_name=self.gw.node.shm_name or "")
-        for item in req.items:
+        for lease in leases:
             out = resp.results.add()
-            try:
-                info = info_from_meta(item.meta)
-                lease = self.gw.reserve_leased(self.principal, item.key, info, ns, self.id)
-            except KVStoreError as exc:
-                out.error.CopyFrom(status_of(exc))
-                continue
-            if lease is not None:
+            if isinstance(lease, KVStoreError):
+                out.error.CopyFrom(status_of(lease))
+            elif lease is not None:
                 out.lease_id, out.offset = lease.id, lease.obj.shm_offset
                 resp.lease_expires_ns = resp.lease_expires_ns or lease.expires_ns
         return resp
 
     def commit(self, meta: bytes, body_len: int) -> pb.PutResponse:
         req = _parse(pb.CommitRequest, meta)
-        self.gw.check_batch(len(req.items))
+        pairs = [(it.lease_id, it.checksum) for it in req.items]
         resp = pb.PutResponse()
-        for item in req.items:
-            out = resp.results.add()
-            try:
-                out.stored = self.gw.commit_leased(self.principal, item.lease_id, item.checksum)
-            except KVStoreError as exc:
-                out.error.CopyFrom(status_of(exc))
+        for r in self.gw.commit_leased(self.principal, pairs):
+            _put_result(r, resp.results.add())
         return resp
 
     def abort(self, meta: bytes, body_len: int) -> pb.LeaseResponse:
@@ -486,3 +451,28 @@ class _Session:
     def match(self, meta: bytes, body_len: int) -> pb.MatchPrefixResponse:
         req = _parse(pb.KeysRequest, meta)
         return pb.MatchPrefixResponse(matched=self.gw.match_prefix(self.principal, req.keys))
+
+
+def _total(body: list[memoryview]) -> int:
+    return sum(mv.nbytes for mv in body)
+
+
+def _write_items(req: pb.PutRequest) -> list[WriteItem]:
+    """A PUT or RESERVE request's items; one whose metadata does not decode carries
+    its error (that item fails, the others go on)."""
+    items = []
+    for it in req.items:
+        info: ValueInfo | KVStoreError
+        try:
+            info = info_from_meta(it.meta)
+        except KVStoreError as exc:
+            info = exc
+        items.append(WriteItem(it.key, info, it.checksum, int(it.meta.nbytes)))
+    return items
+
+
+def _put_result(r: bool | KVStoreError, out: pb.PutResult) -> None:
+    if isinstance(r, KVStoreError):
+        out.error.CopyFrom(status_of(r))
+    else:
+        out.stored = r

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kvstore.blocks import ValueInfo
@@ -49,7 +50,7 @@ from kvstore.server.namespaces import NamespaceRegistry
 from kvstore.tenants import Principal
 from kvstore.tiering import TierKind
 
-__all__ = ["Gateway", "ReadItem"]
+__all__ = ["Gateway", "ReadBatch", "ReadItem", "WriteItem"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,56 @@ class _FixedNamespace(Namespace):
         if block_tokens is None:
             return self._fp
         return Namespace.fingerprint(self, block_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class WriteItem:
+    """One item of a write request: the caller's key, its value's description (or why
+    it could not be decoded), the writer's xxh3 of the payload and its length."""
+
+    key: bytes
+    info: ValueInfo | KVStoreError
+    checksum: int
+    nbytes: int
+
+
+class ReadBatch:
+    """One read request's pinned blocks (``items``, in key order), and for a same-host
+    request the leases granted on some of them (``leases``, by item index). A context
+    manager: leaving it unpins what no lease holds and, when its body succeeded, counts
+    the request (kvstore/observe/names.py)."""
+
+    __slots__ = ("_gw", "_p", "counted", "items", "leases", "namespace_fp", "path")
+
+    def __init__(
+        self, gw: Gateway, p: Principal, items: list[ReadItem], path: str, ns: Namespace | None
+    ) -> None:
+        self._gw = gw
+        self._p = p
+        self.items = items
+        self.leases: dict[int, Lease] = {}
+        self.path = path
+        self.counted = False
+        self.namespace_fp = b"" if ns is None else ns.fingerprint()
+
+    def __enter__(self) -> ReadBatch:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        gw, leases = self._gw, self.leases
+        inline = shm = 0
+        for i, r in enumerate(self.items):
+            if isinstance(r, BlockRead):
+                if i in leases:
+                    shm += r.header.payload_len
+                else:
+                    inline += r.header.payload_len
+                    gw.node.close_read(r)
+        if exc_type is None:
+            if not self.counted:
+                gw.count_reads(self._p, self.items)
+            gw.count_out(self._p, "shm", shm)
+            gw.count_out(self._p, self.path, inline)
 
 
 class Gateway:
@@ -151,13 +202,18 @@ class Gateway:
         for name, n in tally.items():
             self.counters.inc(name, n, tenant=p.tenant)
 
-    def touch(self, p: Principal, keys: Sequence[bytes], nbytes: int) -> None:
+    def touch(
+        self, p: Principal, keys: Sequence[bytes], nbytes: int, seconds: Sequence[float] = ()
+    ) -> None:
         """Account reads a same-host client served itself from the published DRAM
-        index (kvstore/shm/index.py): DRAM hits, bytes out over shm, recency."""
+        index (kvstore/shm/index.py): DRAM hits, bytes out over shm, recency, and the
+        latency of each call (``seconds``)."""
         self.check_batch(len(keys))
         self.node.touch(p.scope_all(keys))
         self.counters.inc("hits_dram", len(keys), tenant=p.tenant)
         self.count_out(p, "shm", nbytes)
+        for s in seconds:
+            self.counters.observe("get", "shm", s)
 
     def count_out(self, p: Principal, path: str, nbytes: int) -> None:
         """Payload bytes handed to a reader over ``path`` (shm, tcp, grpc)."""
@@ -202,38 +258,53 @@ class Gateway:
 
     # -- reads -------------------------------------------------------------------------
 
-    def open_reads(
-        self, p: Principal, keys: Sequence[bytes], ns: Namespace | None, *, count: bool = True
-    ) -> list[ReadItem]:
-        """Pin each key (None on a miss, the error for a failed key); the caller must
-        :meth:`close_reads` the result, whatever happens in between. With ``count``
-        False the caller counts them (:meth:`count_reads`) once the reply is on its way:
-        accounting is not what the reader waits for."""
+    def read(
+        self, p: Principal, model: str, layout: str, keys: Sequence[bytes], *, path: str = "tcp"
+    ) -> ReadBatch:
+        """One read request: pin each of the caller's keys (None on a miss, the error for
+        a failed key) in the caller's namespace. Use the result as a context manager:
+        leaving it unpins them and, when its body succeeded (the reply is on its way;
+        accounting is not what the reader waits for), counts the hits, misses and the
+        hits' payload bytes on ``path``."""
         self.check_batch(len(keys))
-        scoped = p.scope_all(keys)
+        ns = self.namespace(p, model, layout)
+        return ReadBatch(self, p, self._open(p, keys, ns), path, ns)
+
+    def lease(
+        self, p: Principal, model: str, layout: str, keys: Sequence[bytes], owner: int
+    ) -> ReadBatch:
+        """One same-host read request: like :meth:`read`, but every hit a same-host
+        client may copy from the shared segment is handed over under a read lease
+        (``ReadBatch.leases``) and stays pinned until the lease ends; the other hits go
+        inline over the socket (path ``tcp``), and leased bytes count as path ``shm``."""
+        self.check_batch(len(keys))
+        ns = self.namespace(p, model, layout)
+        batch = ReadBatch(self, p, self._open(p, keys, ns), "tcp", ns)
+        try:
+            for i, r in enumerate(batch.items):
+                if isinstance(r, BlockRead) and r.shm_offset >= 0:
+                    batch.leases[i] = self.leases.grant(LeaseKind.READ, r, p.tenant, owner)
+        except BaseException:
+            batch.__exit__(None, None, None)
+            raise
+        self.count_reads(p, batch.items)  # leased hits are counted when granted
+        batch.counted = True
+        return batch
+
+    def _open(self, p: Principal, keys: Sequence[bytes], ns: Namespace | None) -> list[ReadItem]:
         out: list[ReadItem] = []
         try:
-            for k in scoped:
+            for k in p.scope_all(keys):
                 try:
                     out.append(self.node.open_read(k, namespace=ns))
                 except KVStoreError as exc:
                     out.append(exc)
         except BaseException:
-            self.close_reads(out)
+            for r in out:
+                if isinstance(r, BlockRead):
+                    self.node.close_read(r)
             raise
-        if count:
-            self.count_reads(p, out)
         return out
-
-    def close_reads(self, reads: Sequence[ReadItem]) -> None:
-        """Unpin what :meth:`open_reads` pinned (skipping leased ones is the caller's job)."""
-        for r in reads:
-            if isinstance(r, BlockRead):
-                self.node.close_read(r)
-
-    def lease_read(self, p: Principal, blk: BlockRead, owner: int) -> Lease:
-        """Hand a pinned DRAM block to a same-host client under a read lease."""
-        return self.leases.grant(LeaseKind.READ, blk, p.tenant, owner)
 
     def release_reads(self, p: Principal, lease_ids: Sequence[int]) -> tuple[int, int]:
         """End read leases; returns (released, expired or unknown)."""
@@ -247,48 +318,91 @@ class Gateway:
 
     # -- writes ------------------------------------------------------------------------
 
-    def reserve(
-        self, p: Principal, key: bytes, info: ValueInfo, ns: Namespace | None
-    ) -> Reservation | None:
-        """Phase one of a put of the caller's key; None if it is already stored. The
-        node checks the value's size and layout."""
-        self._writable()
-        return self.node.reserve(p.scope(key), info, namespace=ns)
-
-    def commit(self, p: Principal, res: Reservation, checksum: int, path: str) -> bool:
-        """Phase two: the node verifies the payload's xxh3 against the writer's; a
-        stored block is counted for ``p`` on ``path``."""
-        try:
-            stored = self.node.commit(res, expected_checksum=checksum)
-        except KVStoreError:
-            self.counters.inc("rejected_commits")
-            raise
-        if stored:
-            self.count_put(p, path, res.info.nbytes)
-        return stored
-
-    def abort(self, res: Reservation) -> None:
-        """Drop a reservation and free its space."""
-        self.node.abort(res)
+    def write(
+        self,
+        p: Principal,
+        model: str,
+        layout: str,
+        items: Sequence[WriteItem],
+        fill: Callable[[Any, int], None],
+        path: str = "tcp",
+    ) -> list[bool | KVStoreError]:
+        """One write request, item by item, in order: reserve the caller's key, have
+        ``fill(buffer, nbytes)`` put the item's bytes into the reservation's host buffer
+        (``fill(None, nbytes)``: the item is refused or stored already, skip its bytes),
+        commit against the writer's xxh3. Each item reports True (stored), False (stored
+        already) or its error. A failing ``fill`` aborts its reservation and ends the
+        request; the batch-size and scope checks fail it before any fill."""
+        self.check_batch(len(items))
+        ns = self.namespace(p, model, layout)
+        out: list[bool | KVStoreError] = []
+        for it in items:
+            try:
+                if isinstance(it.info, KVStoreError):
+                    raise it.info
+                res = self._reserve(p, it.key, it.info, ns)
+            except KVStoreError as exc:
+                fill(None, it.nbytes)
+                out.append(exc)
+                continue
+            if res is None:
+                fill(None, it.nbytes)
+                out.append(False)
+                continue
+            try:
+                fill(res.payload, it.nbytes)
+            except BaseException:
+                self.node.abort(res)  # a cut-short payload never becomes visible
+                raise
+            try:
+                out.append(self._commit(p, res, it.checksum, path))
+            except KVStoreError as exc:
+                out.append(exc)
+        return out
 
     def reserve_leased(
-        self, p: Principal, key: bytes, info: ValueInfo, ns: Namespace | None, owner: int
-    ) -> Lease | None:
-        """Reserve for a same-host writer (the extent must be in the shared segment)."""
-        res = self.reserve(p, key, info, ns)
-        if res is None:
-            return None
-        if res.shm_offset < 0:
-            self.node.abort(res)
-            raise StorageError("shared-memory writes need a DRAM top tier; use the data socket")
-        return self.leases.grant(LeaseKind.WRITE, res, p.tenant, owner)
+        self, p: Principal, model: str, layout: str, items: Sequence[WriteItem], owner: int
+    ) -> list[Lease | KVStoreError | None]:
+        """One same-host write request, phase one: a write lease on a reservation in the
+        shared segment for each item (None when stored already, or that item's error)."""
+        self.check_batch(len(items))
+        ns = self.namespace(p, model, layout)
+        out: list[Lease | KVStoreError | None] = []
+        for it in items:
+            try:
+                if isinstance(it.info, KVStoreError):
+                    raise it.info
+                res = self._reserve(p, it.key, it.info, ns)
+                if res is not None and res.shm_offset < 0:
+                    self.node.abort(res)
+                    raise StorageError(
+                        "shared-memory writes need a DRAM top tier; use the data socket"
+                    )
+            except KVStoreError as exc:
+                out.append(exc)
+                continue
+            out.append(
+                None if res is None else self.leases.grant(LeaseKind.WRITE, res, p.tenant, owner)
+            )
+        return out
 
-    def commit_leased(self, p: Principal, lease_id: int, checksum: int) -> bool:
-        """Commit a same-host write; an expired or unknown lease is a ReservationError."""
-        lease = self.leases.take(lease_id, p.tenant, LeaseKind.WRITE)
-        if lease is None:
-            raise ReservationError("reservation lease expired or unknown; write it again")
-        return self.commit(p, lease.obj, checksum, "shm")
+    def commit_leased(
+        self, p: Principal, items: Sequence[tuple[int, int]]
+    ) -> list[bool | KVStoreError]:
+        """Phase two for (lease id, checksum) pairs: True stored, False stored already,
+        or the item's error (an expired or unknown lease is a ReservationError)."""
+        self.check_batch(len(items))
+        out: list[bool | KVStoreError] = []
+        for lease_id, checksum in items:
+            lease = self.leases.take(lease_id, p.tenant, LeaseKind.WRITE)
+            if lease is None:
+                out.append(ReservationError("reservation lease expired or unknown; write it again"))
+                continue
+            try:
+                out.append(self._commit(p, lease.obj, checksum, "shm"))
+            except KVStoreError as exc:
+                out.append(exc)
+        return out
 
     def abort_leased(self, p: Principal, lease_ids: Sequence[int]) -> tuple[int, int]:
         """Abort same-host writes; returns (aborted, expired or unknown)."""
@@ -299,6 +413,22 @@ class Gateway:
                 self.node.abort(lease.obj)
                 n += 1
         return n, len(lease_ids) - n
+
+    def _reserve(
+        self, p: Principal, key: bytes, info: ValueInfo, ns: Namespace | None
+    ) -> Reservation | None:
+        self._writable()
+        return self.node.reserve(p.scope(key), info, namespace=ns)  # it checks size, layout
+
+    def _commit(self, p: Principal, res: Reservation, checksum: int, path: str) -> bool:
+        try:
+            stored = self.node.commit(res, expected_checksum=checksum)
+        except KVStoreError:
+            self.counters.inc("rejected_commits")
+            raise
+        if stored:
+            self.count_put(p, path, res.info.nbytes)
+        return stored
 
     def _end_lease(self, lease: Lease) -> None:
         if lease.kind is LeaseKind.READ:
