@@ -54,7 +54,8 @@ class _State(IntEnum):
 @dataclass(slots=True, eq=False)
 class Entry:
     """One stored block. Its fields belong to the index's lock: outside the index only
-    ``key``, ``size`` and ``header`` (which never change) may be read."""
+    ``key``, ``size`` and ``header`` (which never change) may be read, and ``place`` by
+    the mover while the entry is MOVING for it (nothing else moves it then)."""
 
     key: bytes
     level: int  # index into the node's tiers, fastest first
