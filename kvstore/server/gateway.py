@@ -1,13 +1,15 @@
 """The tenant-scoped, limit-checked face of one StoreNode, shared by both front ends.
 
-The gRPC servicer (service.py) and the data-socket server (transport/dataserver.py)
-decode a request, authenticate its caller to a Principal and call this; nothing here
-knows a wire format. That keeps the rules in one place:
+The gRPC servicer (service.py) and the data-socket server (dataserver.py) decode a
+request, authenticate its caller to a Principal and make one call here per request (a
+read batch, :meth:`Gateway.read` / :meth:`Gateway.lease`; a write batch,
+:meth:`Gateway.write` / :meth:`Gateway.reserve_leased` / :meth:`Gateway.commit_leased`;
+or a metadata call); nothing here knows a wire format. That keeps the rules in one place:
 
 - every key is scoped by the caller's tenant (``Principal.scope``) before the node sees
   it, and the namespace checked against block headers is built from the request's model
   and layout plus that tenant, never a tenant named by the request;
-- batch size and value size are checked before any byte moves;
+- batch size (here) and value size (by the node) are checked before any byte moves;
 - shared-memory grants are leases (kvstore/server/leases.py), ended by release, by their data
   connection closing, or by expiry;
 - while draining, writes are refused and reads keep working; a clustered server
