@@ -328,10 +328,12 @@ class StoreNode:
         entry, level, place = got
         try:
             tier = self._tiers[level]
-            payload = tier.payload(place, entry.header.payload_len)
+            header = entry.header
+            payload = tier.payload(place, header.payload_len)
             if payload is not None:
-                shm = place if tier.shm_name is not None else -1
-                return BlockRead(entry.header, payload, tier.kind, place, shm, entry, hit=tier.kind)
+                kind = tier.kind
+                shm = -1 if tier.shm_name is None else place
+                return BlockRead(header, payload, kind, place, shm, entry, False, kind)
             read = self._mover.read_through(entry, level)
         except BaseException:
             self._index.unpin(entry)
@@ -369,7 +371,7 @@ class StoreNode:
         with self.pin(key, namespace=namespace) as blk:
             if blk is None:
                 return False
-            blk.copy_to(out)
+            blk._bytes.copy_to(blk.header, out)  # one call less than blk.copy_to
             self.counters.inc("bytes_out", blk.header.payload_len)
             return True
 

@@ -36,8 +36,6 @@ class Payload(ABC):
     """One block's payload bytes where they lie, valid while the block is pinned (a
     read) or reserved (a write)."""
 
-    nbytes: int
-
     # -- reading ------------------------------------------------------------------------
 
     @abstractmethod
@@ -73,11 +71,10 @@ class Payload(ABC):
 class HostPayload(Payload):
     """Payload bytes in host memory: a DRAM extent or a private buffer."""
 
-    __slots__ = ("_arr", "nbytes")
+    __slots__ = ("_arr",)
 
     def __init__(self, arr: np.ndarray) -> None:
         self._arr = arr
-        self.nbytes = int(arr.nbytes)
 
     def host(self) -> np.ndarray:
         return self._arr
