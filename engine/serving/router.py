@@ -97,6 +97,7 @@ class Router:
         self.metrics = RouterMetrics()
         self.upstream = Upstream(cfg.upstream_timeout_s)
         self._tokenizers: dict[str, Any] = {}
+        self._tokenizer_lock = asyncio.Lock()  # one load at a time: imports race in threads
         self._suspect: dict[str, tuple[float, str]] = {}
 
     async def start(self) -> None:
@@ -125,7 +126,11 @@ class Router:
     async def tokenizer(self, model: str) -> Any:
         tok = self._tokenizers.get(model)
         if tok is None:
-            tok = self._tokenizers[model] = await asyncio.to_thread(load_tokenizer, model)
+            async with self._tokenizer_lock:
+                tok = self._tokenizers.get(model)
+                if tok is None:
+                    tok = await asyncio.to_thread(load_tokenizer, model)
+                    self._tokenizers[model] = tok
         return tok
 
     def workers(self, model: str) -> list[WorkerRecord]:
