@@ -27,7 +27,7 @@ from typing import Any
 from kvstore.config import child_env
 from kvstore.errors import ConfigError, Unavailable
 
-__all__ = ["PoolSpec", "ServingPool"]
+__all__ = ["Child", "PoolSpec", "ServingPool", "WorkerSpec"]
 
 READY_TIMEOUT_S = 180.0  # loading SmolLM2 and timing its prefill on 2 busy cores
 STOP_GRACE_S = 10.0
@@ -40,36 +40,73 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 @dataclass(frozen=True)
-class PoolSpec:
-    """The serving processes to start over a running store cluster."""
+class WorkerSpec:
+    """One worker to start: id, role, the store node beside it, extra flags."""
 
+    worker_id: str
+    role: str
+    store_node: str
+    flags: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """The serving processes to start over a running store cluster: the workers, and one
+    router per entry of ``policies`` (all over the same workers; none when empty)."""
+
+    workers: tuple[WorkerSpec, ...]
     model: str = "tiny"
-    prefill: int = 0
-    decode: int = 0
-    both: int = 0  # workers that do prefill and decode (short prompts, or no pools)
-    router: bool = True
-    router_port: int = 8000
-    policy: str = "cache_aware"
+    policies: tuple[str, ...] = ("cache_aware",)
+    router_port: int = 8000  # the first router's; any others pick a free port
     host: str = "127.0.0.1"
     dtype: str = "fp32"
     worker_flags: tuple[str, ...] = ()
     router_flags: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if min(self.prefill, self.decode, self.both) < 0:
-            raise ConfigError("--prefill, --decode: counts must be >= 0")
-        if self.router and self.prefill + self.both == 0:
+        roles = [w.role for w in self.workers]
+        if self.policies and not {"prefill", "both"} & set(roles):
             raise ConfigError("a router needs at least one prefill (or both-role) worker")
-        if self.router and self.decode + self.both == 0:
+        if self.policies and not {"decode", "both"} & set(roles):
             raise ConfigError("a router needs at least one decode (or both-role) worker")
+        if len({w.worker_id for w in self.workers}) != len(self.workers):
+            raise ConfigError("worker ids must be unique")
+
+    @staticmethod
+    def spread(
+        node_ids: Sequence[str], *, prefill: int = 0, decode: int = 0, both: int = 0
+    ) -> tuple[WorkerSpec, ...]:
+        """Workers p0.., d0.., b0.. placed round-robin beside the nodes."""
+        if min(prefill, decode, both) < 0:
+            raise ConfigError("--prefill, --decode, --both: counts must be >= 0")
+        specs, i = [], 0
+        for role, prefix, count in (("prefill", "p", prefill), ("decode", "d", decode),
+                                    ("both", "b", both)):  # fmt: skip
+            for j in range(count):
+                specs.append(WorkerSpec(f"{prefix}{j}", role, node_ids[i % len(node_ids)]))
+                i += 1
+        return tuple(specs)
 
 
 @dataclass
-class _Child:
+class Child:
+    """One child process, its log and the facts of its JSON ready line."""
+
     name: str
     proc: subprocess.Popen[str]
     log: Path
     facts: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def tail(self, n: int = 2000) -> str:
+        """The end of the child's log (for error messages)."""
+        try:
+            return self.log.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
 
 
 class ServingPool:
@@ -94,48 +131,49 @@ class ServingPool:
         # never their command line (flags show up in ps).
         self._env = child_env(dict(settings or {}))
         self._env["PYTHONUNBUFFERED"] = "1"
-        self.workers: list[_Child] = []
-        self.router: _Child | None = None
+        self.workers: dict[str, Child] = {}
+        self.routers: dict[str, Child] = {}  # policy -> router
 
-    @property
-    def url(self) -> str | None:
-        """The router's base URL (``http://host:port``), once started."""
-        return None if self.router is None else str(self.router.facts["url"])
+    def urls(self) -> dict[str, str]:
+        """policy -> that router's base URL (``http://host:port``)."""
+        return {pol: str(c.facts["url"]) for pol, c in self.routers.items()}
+
+    def url(self, policy: str | None = None) -> str:
+        """The base URL of the router of ``policy`` (default: the first)."""
+        return self.urls()[policy or self.spec.policies[0]]
 
     def start(self, timeout: float = READY_TIMEOUT_S) -> ServingPool:
-        """Start every worker (in parallel), then the router; wait until it serves."""
+        """Start every worker (in parallel), then the routers; wait until they serve."""
         deadline = time.monotonic() + timeout
         s = self.spec
-        roles = [("prefill", "p", s.prefill), ("decode", "d", s.decode), ("both", "b", s.both)]
-        i = 0
         try:
-            for role, prefix, count in roles:
-                for j in range(count):
-                    node = self.node_ids[i % len(self.node_ids)]
-                    i += 1
-                    argv = [
-                        "worker", "--role", role, "--worker-id", f"{prefix}{j}",
-                        "--store-node", node, "--model", s.model, "--dtype", s.dtype,
-                        "--etcd", self.etcd, "--cluster", self.cluster,
-                        "--host", s.host, "--port", "0", *s.worker_flags,
-                    ]  # fmt: skip
-                    self.workers.append(self._spawn(f"{prefix}{j}", argv))
-            self._wait_ready(self.workers, deadline)
-            if s.router:
+            for w in s.workers:
+                argv = [
+                    "worker", "--role", w.role, "--worker-id", w.worker_id,
+                    "--store-node", w.store_node, "--model", s.model, "--dtype", s.dtype,
+                    "--etcd", self.etcd, "--cluster", self.cluster,
+                    "--host", s.host, "--port", "0", *s.worker_flags, *w.flags,
+                ]  # fmt: skip
+                self.workers[w.worker_id] = self._spawn(w.worker_id, argv)
+            self._wait_ready(list(self.workers.values()), deadline)
+            for i, policy in enumerate(s.policies):
+                port = s.router_port if i == 0 else 0
                 argv = [
                     "router", "--etcd", self.etcd, "--cluster", self.cluster,
-                    "--host", s.host, "--port", str(s.router_port), "--policy", s.policy,
+                    "--host", s.host, "--port", str(port), "--policy", policy,
                     *s.router_flags,
                 ]  # fmt: skip
-                self.router = self._spawn("router", argv)
-                self._wait_ready([self.router], deadline)
-                self._wait_router_sees_workers(deadline)
+                name = "router" if len(s.policies) == 1 else f"router-{policy}"
+                self.routers[policy] = self._spawn(name, argv)
+            self._wait_ready(list(self.routers.values()), deadline)
+            for url in self.urls().values():
+                self._wait_router_sees_workers(url, deadline)
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _spawn(self, name: str, argv: list[str]) -> _Child:
+    def _spawn(self, name: str, argv: list[str]) -> Child:
         self.root.mkdir(parents=True, exist_ok=True)
         log = self.root / f"{name}.log"
         with open(log, "ab") as fh:
@@ -148,14 +186,14 @@ class ServingPool:
                 start_new_session=True,  # Ctrl-C reaches only us: we stop them in order
                 preexec_fn=_die_with_parent if sys.platform == "linux" else None,
             )
-        return _Child(name, proc, log)
+        return Child(name, proc, log)
 
     @staticmethod
-    def _tail(child: _Child) -> str:
+    def _tail(child: Child) -> str:
         text = child.log.read_text(errors="replace").strip()
         return f"[{child.name}] " + (text.splitlines()[-1] if text else "(no output)")
 
-    def _wait_ready(self, children: Sequence[_Child], deadline: float) -> None:
+    def _wait_ready(self, children: Sequence[Child], deadline: float) -> None:
         waiting = {c.proc.stdout: c for c in children if c.proc.stdout is not None}
         while waiting:
             left = deadline - time.monotonic()
@@ -172,29 +210,29 @@ class ServingPool:
                 elif not line and child.proc.poll() is not None:
                     raise Unavailable(f"{child.name} exited: {self._tail(child)}")
 
-    def _wait_router_sees_workers(self, deadline: float) -> None:
+    def _wait_router_sees_workers(self, url: str, deadline: float) -> None:
         import httpx
 
         want = len(self.workers)
         seen = 0
         while time.monotonic() < deadline:
             with contextlib.suppress(httpx.HTTPError, ValueError):
-                health = httpx.get(f"{self.url}/health", timeout=5).json()
+                health = httpx.get(f"{url}/health", timeout=5).json()
                 seen = sum(int(n) for n in health.get("workers", {}).values())
                 if seen >= want:
                     return
             time.sleep(0.1)
-        raise Unavailable(f"the router sees {seen} of {want} workers")
+        raise Unavailable(f"the router at {url} sees {seen} of {want} workers")
 
     def exited(self) -> list[str]:
         """Names of children whose process has ended."""
-        every = [*self.workers, *([self.router] if self.router else [])]
+        every = [*self.workers.values(), *self.routers.values()]
         return [c.name for c in every if c.proc.poll() is not None]
 
     def stop(self, grace: float = STOP_GRACE_S) -> None:
         """Router first, then workers: SIGTERM, SIGKILL after ``grace``; idempotent."""
-        order = [[self.router] if self.router else [], self.workers]
-        self.router, self.workers = None, []
+        order = [list(self.routers.values()), list(self.workers.values())]
+        self.routers, self.workers = {}, {}
         for group in order:
             for c in group:
                 if c.proc.poll() is None:
@@ -210,16 +248,20 @@ class ServingPool:
                     c.proc.stdout.close()
 
     def describe(self) -> dict[str, Any]:
-        """What a caller needs: the router URL, each worker's id, role, node, address."""
+        """What a caller needs: each router's URL, each worker's id, role, node, address."""
         return {
-            "router": None
-            if self.router is None
-            else {**self.router.facts, "log": str(self.router.log)},
+            "routers": [
+                {"policy": pol, **c.facts, "log": str(c.log)} for pol, c in self.routers.items()
+            ],
             "workers": [
-                {"worker_id": c.name, "pid": c.proc.pid, "log": str(c.log), **c.facts}
-                for c in self.workers
+                {"worker_id": c.name, "pid": c.pid, "log": str(c.log), **c.facts}
+                for c in self.workers.values()
             ],
         }
+
+    def pids(self) -> dict[str, int]:
+        """Every process this pool started, by name."""
+        return {c.name: c.pid for c in [*self.workers.values(), *self.routers.values()]}
 
     def __enter__(self) -> ServingPool:
         return self.start()

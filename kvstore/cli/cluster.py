@@ -172,14 +172,12 @@ def _serving_pool(args: argparse.Namespace, cluster: Any) -> Any:
     """Workers beside the nodes (worker i on node i mod N) and the router, as processes."""
     from engine.serving.launch import PoolSpec, ServingPool
 
+    node_ids = [n.node_id for n in cluster.nodes]
     spec = PoolSpec(
+        PoolSpec.spread(node_ids, prefill=args.prefill, decode=args.decode, both=args.both),
         model=args.model,
-        prefill=args.prefill,
-        decode=args.decode,
-        both=args.both,
-        router=args.router,
+        policies=(args.policy,) if args.router else (),
         router_port=args.router_port,
-        policy=args.policy,
         host=args.host,
     )
     settings = {"token": cluster.token} if cluster.token is not None else {}
@@ -187,7 +185,7 @@ def _serving_pool(args: argparse.Namespace, cluster: Any) -> Any:
         spec,
         etcd=cluster.etcd_endpoint,
         cluster=cluster.cluster,
-        node_ids=[n.node_id for n in cluster.nodes],
+        node_ids=node_ids,
         root=cluster.root / "serving",
         settings=settings,
     )
@@ -232,8 +230,8 @@ def _print_up(doc: dict[str, Any]) -> None:
                 f"worker {w['worker_id']} ({w.get('role')}, pid {w['pid']}) at "
                 f"{w.get('address')} beside {w.get('store_node')}"
             )
-        if serving["router"]:
-            lines.append(f"router: {serving['router']['url']}/v1  (OpenAI-compatible)")
+        for r in serving["routers"]:
+            lines.append(f"router ({r['policy']}): {r['url']}/v1  (OpenAI-compatible)")
     lines.append("Ctrl-C stops every process started here.")
     _print(t, *lines)
 

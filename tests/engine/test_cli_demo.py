@@ -69,7 +69,7 @@ def test_live_demo_routes_every_turn_and_stops_everything() -> None:
     out = json.loads(p.stdout)
     assert out["mode"] == "live" and out["policy"] == "cache_aware"
     procs = out["processes"]
-    assert {"etcd", "n0", "n1", "p0", "p1", "d0", "router-cache_aware"} <= set(procs)
+    assert {"etcd", "n0", "n1", "p0", "p1", "d0", "router"} <= set(procs)
     assert out["stopped"] is True
     for pid in procs.values():
         with pytest.raises(ProcessLookupError):

@@ -49,7 +49,8 @@ def test_up_with_workers_and_router_serves_and_stops(tmp_path: Path) -> None:
         assert doc is not None, (tmp_path / "up.log").read_text()[-3000:]
         serving = doc["serving"]
         assert sorted(w["role"] for w in serving["workers"]) == ["decode", "prefill"]
-        client = OpenAI(base_url=serving["router"]["url"] + "/v1", api_key="unused")
+        (router,) = serving["routers"]
+        client = OpenAI(base_url=router["url"] + "/v1", api_key="unused")
         msgs = [{"role": "user", "content": "Where do the blocks live? " * 30}]
         for _ in range(2):  # the second time its prefix is in the store
             reply = client.chat.completions.with_raw_response.create(
@@ -62,7 +63,7 @@ def test_up_with_workers_and_router_serves_and_stops(tmp_path: Path) -> None:
         assert kv["cached_tokens"] > 0 and kv["tier"] == "dram"
         assert reply.headers["x-kvstore-prefill-worker"] == "p0"
         pids = [doc["etcd_pid"], *(n["pid"] for n in doc["nodes"])]
-        pids += [w["pid"] for w in serving["workers"]] + [serving["router"]["pid"]]
+        pids += [w["pid"] for w in serving["workers"]] + [router["pid"]]
     finally:
         up.send_signal(signal.SIGTERM)
         up.wait(60)
