@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import math
 import random
@@ -216,6 +217,7 @@ def router_cost(stack: Any, n_tokens: int, iters: int) -> dict:
 
     from engine.serving.loading import load_tokenizer
     from engine.serving.placement import Placer, PrefixView
+    from engine.serving.prompts import PromptEncoder
     from engine.serving.registry import WorkerView
     from engine.serving.router import Router
     from kvstore import Namespace, StoreClient, prefix_keys
@@ -231,7 +233,7 @@ def router_cost(stack: Any, n_tokens: int, iters: int) -> dict:
     req = SimpleNamespace(kind="chat", messages=[{"role": "user", "content": text}], prompt=None)
     # The tiny model's context is 2048 tokens: the router refuses the whole prompt, so
     # its first 1900 tokens are served (as token ids) to put a cached prefix in the mirror.
-    head = Router.tokenize(tok, req)[:1900]
+    head = Router.tokenize(PromptEncoder(tok), req)[:1900]
     body = {"model": "tiny", "prompt": head, "max_tokens": 2}
     url = stack.url(stack.policies[0])
     httpx.post(url + "/v1/completions", json=body, timeout=120).raise_for_status()
@@ -253,32 +255,45 @@ def router_cost(stack: Any, n_tokens: int, iters: int) -> dict:
         nodes = client.nodes()
         w0 = workers[0]
         ns = Namespace(**w0.namespace)
-        parts: dict[str, list[float]] = {
-            "tokenize": [], "keys": [], "mirror": [], "place": [], "total": []
-        }  # fmt: skip
+        parts: dict[str, list[float]] = collections.defaultdict(list)
         cached = 0
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            ids = Router.tokenize(tok, req)
-            t1 = time.perf_counter()
-            keys = prefix_keys(ids, w0.block_tokens, ns)
-            t2 = time.perf_counter()
-            placer.prefixes.runs(keys)
-            t3 = time.perf_counter()
-            route = placer.place(workers, ids, 16, frozenset(), nodes)
-            t4 = time.perf_counter()
-            parts["tokenize"].append(t1 - t0)
-            parts["keys"].append(t2 - t1)
-            parts["mirror"].append(t3 - t2)
-            # place() = keys + mirror + decision (it recomputes the first two): the
-            # router's work per request is tokenize + place
-            parts["place"].append(t4 - t3)
-            parts["total"].append((t1 - t0) + (t4 - t3))
-            cached = getattr(route, "expected_cached", 0)
+        enc = PromptEncoder(tok)
+        # Two prompts of ~n_tokens: a first turn (one new 4k-token message: nothing to
+        # reuse, the tokenizer's full cost) and a follow-up (the same history plus a new
+        # short question: only the new pieces are encoded). Every iteration's question
+        # is new, so no iteration is served whole from the cache.
+        for kind in ("first_turn", "follow_up"):
+            for i in range(iters):
+                if kind == "first_turn":
+                    msgs = [{"role": "user", "content": f"{text} (question {i})"}]
+                else:
+                    msgs = [{"role": "user", "content": text},
+                            {"role": "assistant", "content": "Noted."},
+                            {"role": "user", "content": f"And question {i}?"}]  # fmt: skip
+                r = SimpleNamespace(kind="chat", messages=msgs, prompt=None)
+                t0 = time.perf_counter()
+                ids = Router.tokenize(enc, r)
+                t1 = time.perf_counter()
+                keys = prefix_keys(ids, w0.block_tokens, ns)
+                t2 = time.perf_counter()
+                placer.prefixes.runs(keys)
+                t3 = time.perf_counter()
+                route = placer.place(workers, ids, 16, frozenset(), nodes)
+                t4 = time.perf_counter()
+                parts[f"{kind}.tokenize"].append(t1 - t0)
+                parts[f"{kind}.keys"].append(t2 - t1)
+                parts[f"{kind}.mirror"].append(t3 - t2)
+                # place() = keys + mirror + decision (it recomputes the first two): the
+                # router's work per request is tokenize + place
+                parts[f"{kind}.place"].append(t4 - t3)
+                parts[f"{kind}.total"].append((t1 - t0) + (t4 - t3))
+                cached = getattr(route, "expected_cached", 0)
     finally:
         client.close()
     p50 = {k: statistics.median(v) * 1e3 for k, v in parts.items()}
-    p50["decision"] = max(p50["place"] - p50["keys"] - p50["mirror"], 0.0)
+    for kind in ("first_turn", "follow_up"):
+        place = p50[f"{kind}.place"] - p50[f"{kind}.keys"] - p50[f"{kind}.mirror"]
+        p50[f"{kind}.decision"] = max(place, 0.0)
     return {"prompt_tokens": len(ids), "expected_cached": cached,
             "p50_ms": {k: round(v, 3) for k, v in p50.items()}}  # fmt: skip
 

@@ -36,6 +36,7 @@ from engine.serving.loading import load_tokenizer
 from engine.serving.metrics import RouterMetrics
 from engine.serving.openai_api import APIError, GenRequest, chunk, completion, parse_request
 from engine.serving.placement import Placer, PrefixView, Route
+from engine.serving.prompts import PromptEncoder
 from engine.serving.registry import WorkerRecord, WorkerView, resolve_directory
 from engine.serving.upstream import Started, StreamCut, Upstream, WorkerFailed
 
@@ -96,7 +97,7 @@ class Router:
         )
         self.metrics = RouterMetrics()
         self.upstream = Upstream(cfg.upstream_timeout_s)
-        self._tokenizers: dict[str, Any] = {}
+        self._tokenizers: dict[str, PromptEncoder] = {}
         self._tokenizer_lock = asyncio.Lock()  # one load at a time: imports race in threads
         self._suspect: dict[str, tuple[float, str]] = {}
 
@@ -123,15 +124,16 @@ class Router:
 
     # -- helpers ---------------------------------------------------------------------------
 
-    async def tokenizer(self, model: str) -> Any:
-        tok = self._tokenizers.get(model)
-        if tok is None:
+    async def tokenizer(self, model: str) -> PromptEncoder:
+        enc = self._tokenizers.get(model)
+        if enc is None:
             async with self._tokenizer_lock:
-                tok = self._tokenizers.get(model)
-                if tok is None:
+                enc = self._tokenizers.get(model)
+                if enc is None:
                     tok = await asyncio.to_thread(load_tokenizer, model)
-                    self._tokenizers[model] = tok
-        return tok
+                    enc = await asyncio.to_thread(PromptEncoder, tok)
+                    self._tokenizers[model] = enc
+        return enc
 
     def workers(self, model: str) -> list[WorkerRecord]:
         now = time.monotonic()
@@ -155,13 +157,13 @@ class Router:
         log.warning("%s; placing the request again", exc)
 
     @staticmethod
-    def tokenize(tok: Any, req: GenRequest) -> list[int]:
+    def tokenize(enc: PromptEncoder, req: GenRequest) -> list[int]:
+        """The request's prompt as token ids (engine/serving/prompts.py)."""
         if req.kind == "chat":
-            text = tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
-            return [int(t) for t in tok(text, add_special_tokens=False).input_ids]
+            return enc.encode_chat(req.messages)
         if isinstance(req.prompt, list):
             return list(req.prompt)
-        return [int(t) for t in tok(req.prompt).input_ids]
+        return enc.encode_completion(req.prompt)
 
     # -- one request -----------------------------------------------------------------------
 
@@ -172,8 +174,9 @@ class Router:
                 404, f"The model `{req.model}` does not exist or is not served here.",
                 param="model", code="model_not_found",
             )  # fmt: skip
-        tok = await self.tokenizer(req.model)
-        ids = self.tokenize(tok, req)
+        enc = await self.tokenizer(req.model)
+        ids = self.tokenize(enc, req)
+        tok = enc.tokenizer
         eos = sorted({i for i in (tok.eos_token_id,) if isinstance(i, int)})
         exclude: set[str] = set()
         started: Started | None = None
