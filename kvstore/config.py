@@ -278,6 +278,9 @@ class ClientConfig:
             40-60 us after the request; a sleeping thread then costs as much again to
             wake on a virtual machine. One thread of the process polls at a time (the
             others sleep), so other threads keep their turn at the GIL.
+        faults: inject failures and stalls under this client, for fault drills (""
+            off; ``KVSTORE_FAULTS``): a kvstore/faults.py plan such as
+            ``read@10.0.0.7:error=transport:times=3,control.*:delay=0.5``.
     """
 
     token: str = field(default="", repr=False)
@@ -294,6 +297,7 @@ class ClientConfig:
     shm_direct: bool = True
     max_reply_bytes: int = 64 * 1024**2
     reply_poll_us: int = 200
+    faults: str = ""
 
     def __post_init__(self) -> None:
         if self.transport not in ("auto", "shm", "tcp"):

@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from kvstore.client.connector import Connector
 from kvstore.client.members import NODE_FAILURES, Members
 from kvstore.client.store import NodeClient
 from kvstore.config import ClientConfig
@@ -80,12 +81,14 @@ class ClusterClient:
         config: ClientConfig | None = None,
         node_id: str | None = None,
         directory: Callable[[], Directory] | None = None,
+        connector: Connector | None = None,
         **overrides: Any,
     ) -> None:
         self.config = ClientConfig.resolve(config, token, **overrides)
         self.endpoint, self.cluster = endpoint, cluster
         self.namespace = namespace
         self.node_id = node_id
+        self.connector = connector  # how node clients reach nodes (None: sockets)
         self.counters = NodeCounters()  # node_failures, fallbacks, served.<node>
         self._bg = BackgroundDirectory(
             directory or self._etcd_factory, timeout=self.config.connect_timeout_s
@@ -118,7 +121,12 @@ class ClusterClient:
             self.config, retries=0, connect_timeout_s=min(self.config.connect_timeout_s, 2.0)
         )
         self._members = Members(
-            self._mirror, node_config, self.counters, namespace=self.namespace, node_id=self.node_id
+            self._mirror,
+            node_config,
+            self.counters,
+            namespace=self.namespace,
+            node_id=self.node_id,
+            connector=self.connector,
         )
         self._state = "open"
         try:

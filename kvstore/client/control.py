@@ -10,6 +10,7 @@ an unreachable server is an Unavailable, retried until the connect timeout. Ever
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from typing import Any
 
 import grpc
@@ -20,10 +21,26 @@ from kvstore.errors import ConfigError, TimeoutError_
 from kvstore.wire.auth import bearer_metadata
 from kvstore.wire.grpc_errors import mapped
 
-__all__ = ["ControlChannel"]
+__all__ = ["Control", "ControlChannel"]
 
 
-class ControlChannel:
+class Control(ABC):
+    """The control plane of one server: unary calls by ``kvstore.v1.Store`` method name,
+    protobuf request in, protobuf reply out, failures as KVStoreErrors. ControlChannel
+    is the gRPC implementation; tests/support/memory_net.py has an in-memory one."""
+
+    @abstractmethod
+    def call(self, method: str, request: Any, deadline: float, *, wait: bool = True) -> Any:
+        """Invoke ``method`` bounded by ``deadline`` (time.monotonic). ``wait`` rides out
+        a reconnect within the deadline; without it an unreachable server fails the
+        call at once with Unavailable."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the channel (idempotent)."""
+
+
+class ControlChannel(Control):
     """A gRPC channel to one server and the ``kvstore.v1.Store`` stub on it."""
 
     def __init__(self, target: str, config: ClientConfig) -> None:

@@ -4,8 +4,9 @@ Kept apart from :mod:`kvstore.client.cluster`, which decides *what* to ask (whic
 replica, in what order); this module decides *whom*, and whether they are worth
 asking right now:
 
-- node clients are opened on first use, after a TCP probe of the node's address (an
-  unreachable node costs a refused connect, not a connect timeout), and reopened
+- node clients are opened on first use, after a probe of the node's address (a TCP
+  connect, see connector.py: an unreachable node costs a refused connect, not a
+  connect timeout), and reopened
   when the node restarts (its record shows a new boot id);
 - a node that fails a call is *suspect*: skipped for ``SUSPECT_S``, then used again
   only if a probe connects (or it restarted);
@@ -23,11 +24,11 @@ import functools
 import hashlib
 import logging
 import os
-import socket
 import threading
 import time
 
 from kvstore._proto import store_pb2 as pb
+from kvstore.client.connector import Connector, SocketConnector
 from kvstore.client.store import NodeClient
 from kvstore.config import ClientConfig
 from kvstore.directory.base import NodeInfo
@@ -42,9 +43,9 @@ from kvstore.errors import (
 from kvstore.keys import Namespace
 from kvstore.observe.counters import NodeCounters
 from kvstore.tenants import Principal
-from kvstore.wire.locality import PROBE_TIMEOUT_S, host_id, hostname
+from kvstore.wire.locality import host_id, hostname
 
-__all__ = ["NODE_FAILURES", "MemberClient", "Members", "probe"]
+__all__ = ["NODE_FAILURES", "MemberClient", "Members"]
 
 log = logging.getLogger(__name__)
 
@@ -69,16 +70,6 @@ def _rendezvous(seed: bytes, node_id: str) -> bytes:
     return hashlib.blake2b(seed + node_id.encode(), digest_size=8).digest()
 
 
-def probe(address: str) -> bool:
-    """Whether something accepts TCP connections at ``host:port`` right now."""
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), PROBE_TIMEOUT_S):
-            return True
-    except (OSError, ValueError):
-        return False
-
-
 class Members:
     """Per-node clients and liveness for one ClusterClient. Thread-safe.
 
@@ -95,8 +86,10 @@ class Members:
         *,
         namespace: Namespace | None = None,
         node_id: str | None = None,
+        connector: Connector | None = None,
     ) -> None:
         self.mirror = mirror
+        self.connector = connector if connector is not None else SocketConnector()
         self.counters = counters
         self.namespace = namespace
         self.node_id = node_id
@@ -152,7 +145,8 @@ class Members:
         """Nodes that are not suspect and accept a TCP connection now: control calls
         (remove, stats) would otherwise wait out their deadline on a dead node."""
         nodes = self.mirror.nodes()
-        return [n for n in sorted(nodes) if self.usable(n) and probe(nodes[n].address)]
+        reachable = self.connector.reachable
+        return [n for n in sorted(nodes) if self.usable(n) and reachable(nodes[n].address)]
 
     def suspects(self) -> set[str]:
         """Nodes skipped right now (no probing: for answers served from memory)."""
@@ -174,7 +168,7 @@ class Members:
         if info.boot_id == boot:  # not restarted since it failed
             if time.monotonic() < until:
                 return False
-            if not probe(info.address):
+            if not self.connector.reachable(info.address):
                 self.suspect(node_id, None)  # still down: skip it a while longer
                 return False
         with self._lock:
@@ -223,9 +217,11 @@ class Members:
             return client
 
     def _open(self, info: NodeInfo) -> MemberClient:
-        if not probe(info.address):
+        if not self.connector.reachable(info.address):
             raise Unavailable(f"node {info.node_id!r} does not answer at {info.address}")
-        client = MemberClient(info.address, namespace=self.namespace, config=self._config)
+        client = MemberClient(
+            info.address, namespace=self.namespace, config=self._config, connector=self.connector
+        )
         client.open()
         tenant = str(client.server_info.get("tenant", ""))
         with self._lock:

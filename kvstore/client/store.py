@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import random
-import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -38,16 +37,16 @@ from typing import Any, Self, TypeVar
 from google.protobuf.json_format import MessageToDict
 
 from kvstore._proto import store_pb2 as pb
-from kvstore.client.control import ControlChannel
-from kvstore.client.transport.base import Transport
-from kvstore.client.transport.conn import DataConn
-from kvstore.client.transport.pool import ConnPool
+from kvstore.client.connector import Connector, SocketConnector
+from kvstore.client.control import Control
+from kvstore.client.faults import FaultyConnector
+from kvstore.client.transport.base import Links, Transport
 from kvstore.config import ClientConfig
 from kvstore.errors import ClosedError, ConfigError, InvalidValue, KVStoreError, LimitExceeded
+from kvstore.faults import FaultPlan
 from kvstore.keys import KEY_BYTES, Namespace, as_key
 from kvstore.observe.counters import NodeCounters
 from kvstore.wire.codec import scope_of, stats_from_proto
-from kvstore.wire.frames import Op
 
 __all__ = ["AsyncNodeClient", "NodeClient"]
 
@@ -99,9 +98,14 @@ class NodeClient:
         token: str | None = None,
         namespace: Namespace | None = None,
         config: ClientConfig | None = None,
+        connector: Connector | None = None,
         **overrides: Any,
     ) -> None:
         self.config = ClientConfig.resolve(config, token, **overrides)
+        connector = connector if connector is not None else SocketConnector()
+        if self.config.faults:  # a fault drill: the plan is this client's own
+            connector = FaultyConnector(connector, FaultPlan.parse(self.config.faults))
+        self.connector = connector
         self.address = address
         self.host, self.port = _split_address(address)
         self.namespace = namespace
@@ -109,8 +113,8 @@ class NodeClient:
         self.counters = NodeCounters()  # retries, corrupt_transfers, shm_lease_expired
         self._state = _State.UNOPENED
         self._lock = threading.Lock()
-        self._control: ControlChannel | None = None
-        self._pool: ConnPool | None = None
+        self._control: Control | None = None
+        self._pool: Links | None = None
         self._info = pb.InfoResponse()
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -131,10 +135,7 @@ class NodeClient:
                 return self
             if self._state is _State.CLOSED:
                 raise ClosedError("StoreClient is closed; create a new one to reconnect")
-            target = (
-                f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
-            )
-            control = ControlChannel(target, self.config)
+            control = self.connector.control(self.host, self.port, self.config)
             try:
                 deadline = time.monotonic() + self.config.connect_timeout_s
                 self._info = self._retry(
@@ -142,14 +143,13 @@ class NodeClient:
                     deadline,
                     until_deadline=True,
                 )
+                self._pool = self.connector.links(
+                    self.host, self.config, self.counters, self._locate, self._info
+                )
             except BaseException:
                 control.close()
                 raise
             self._control = control
-            tls = _tls_context(self.config)
-            self._pool = ConnPool(
-                self.host, self.config, self.counters, self._locate, tls, self._info
-            )
             self._state = _State.OPEN
         return self
 
@@ -271,21 +271,13 @@ class NodeClient:
 
     def exists(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[bool]:
         """Whether each key is stored (any tier)."""
-        req = pb.KeysRequest(keys=self._keys(keys))
-
-        def go(conn: DataConn, _t: Transport, d: float) -> list[bool]:
-            return list(conn.call(Op.EXISTS, req, pb.ExistsResponse, d)[0].present)
-
-        return self._data(go, timeout)
+        ks = self._keys(keys)
+        return self._data(lambda c, t, d: t.exists(c, ks, d), timeout)
 
     def match_prefix(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
         """How many leading keys are stored: the reusable prefix, in blocks."""
-        req = pb.KeysRequest(keys=self._keys(keys))
-
-        def go(conn: DataConn, _t: Transport, d: float) -> int:
-            return int(conn.call(Op.MATCH, req, pb.MatchPrefixResponse, d)[0].matched)
-
-        return self._data(go, timeout)
+        ks = self._keys(keys)
+        return self._data(lambda c, t, d: t.match_prefix(c, ks, d), timeout)
 
     def remove(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
         """Remove blocks; returns how many were present."""
@@ -338,7 +330,7 @@ class NodeClient:
     def _deadline(self, timeout: float | None) -> float:
         return time.monotonic() + (self.config.timeout_s if timeout is None else timeout)
 
-    def _data(self, fn: Callable[[DataConn, Transport, float], T], timeout: float | None) -> T:
+    def _data(self, fn: Callable[[Any, Transport[Any], float], T], timeout: float | None) -> T:
         self._check_open()
         pool = self._pool
         assert pool is not None
@@ -382,15 +374,6 @@ class NodeClient:
                 delay = self.config.backoff_s * 2 ** (tries - 1) * (0.5 + random.random())
                 self.counters.inc("retries")
                 time.sleep(min(delay, left, 1.0))
-
-
-def _tls_context(config: ClientConfig) -> ssl.SSLContext | None:
-    if not config.use_tls:
-        return None
-    try:
-        return ssl.create_default_context(cafile=config.tls_ca or None)
-    except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(f"tls_ca: cannot load {config.tls_ca!r}: {exc}") from None
 
 
 class AsyncNodeClient:

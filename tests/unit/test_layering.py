@@ -16,6 +16,7 @@ PACKAGE = ROOT / "kvstore"
 # Lower layers first; a module may import its own layer and the ones before it.
 LAYERS: list[set[str]] = [
     {"errors", "layout", "keys", "blocks", "tiering", "events", "tenants", "config", "_proto"},
+    {"faults"},
     {"observe", "shm"},
     {"tiers"},
     {"node", "wire"},

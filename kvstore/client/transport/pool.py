@@ -21,11 +21,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from kvstore._proto import store_pb2 as pb
-from kvstore.client.transport.base import Transport
+from kvstore.client.transport.base import Link, Links
 from kvstore.client.transport.conn import DataConn
 from kvstore.client.transport.shm import Segment, ShmTransport
 from kvstore.client.transport.shm_direct import DirectReader
-from kvstore.client.transport.tcp import TcpTransport
+from kvstore.client.transport.tcp import SocketTransport, TcpTransport
 from kvstore.config import ClientConfig
 from kvstore.errors import (
     KVStoreError,
@@ -45,7 +45,7 @@ __all__ = ["ConnPool"]
 log = logging.getLogger(__name__)
 
 
-class ConnPool:
+class ConnPool(Links):
     """Lends authenticated data connections with their transport.
 
     Concurrency: ``_lock`` (and ``_cond`` on it) guards ``_idle``, ``_shm_of``,
@@ -78,7 +78,7 @@ class ConnPool:
         self._deferred = False  # a connection owes read releases (the flusher watches)
         self._lent = 0  # callers holding (or opening) a connection, at most _size
         self._flusher: threading.Thread | None = None
-        self._idle: list[tuple[DataConn, Transport]] = []
+        self._idle: list[Link] = []
         # (instance id, segment name) -> that server's shared-memory transport
         self._shm_of: dict[tuple[str, str], ShmTransport] = {}
         self._size = config.pool_size
@@ -89,7 +89,7 @@ class ConnPool:
         self.last_transport = ""
 
     @contextmanager
-    def connection(self, deadline: float) -> Iterator[tuple[DataConn, Transport]]:
+    def connection(self, deadline: float) -> Iterator[Link]:
         """Lend a connection and its transport until the block ends."""
         link = self.lend(deadline)
         try:
@@ -97,7 +97,7 @@ class ConnPool:
         finally:
             self.give_back(link)
 
-    def lend(self, deadline: float) -> tuple[DataConn, Transport]:
+    def lend(self, deadline: float) -> Link:
         """A connection and its transport, for one caller until :meth:`give_back`
         (what :meth:`connection` does, without a generator per call on the hot path)."""
         with self._cond:
@@ -122,7 +122,7 @@ class ConnPool:
                 raise
         return link
 
-    def give_back(self, link: tuple[DataConn, Transport]) -> None:
+    def give_back(self, link: Link) -> None:
         """Return a connection from :meth:`lend` (a broken one is closed instead)."""
         self._give_back(link, lent=True)
 
@@ -131,7 +131,7 @@ class ConnPool:
         if self._waiters:
             self._cond.notify_all()  # the flusher waits on it too: wake every waiter
 
-    def _give_back(self, link: tuple[DataConn, Transport], *, lent: bool = False) -> None:
+    def _give_back(self, link: Link, *, lent: bool = False) -> None:
         conn = link[0]
         with self._lock:
             if lent:
@@ -189,7 +189,7 @@ class ConnPool:
                     link[0].flush_releases()
                 self._give_back(link)
 
-    def _open(self, deadline: float) -> tuple[DataConn, Transport]:
+    def _open(self, deadline: float) -> tuple[DataConn, SocketTransport]:
         with self._lock:
             server = self._server
         if server is None:
@@ -242,7 +242,7 @@ class ConnPool:
     def _same_host(info: pb.InfoResponse) -> bool:
         return bool(info.host_id) and info.host_id == host_id()
 
-    def _pick(self, conn: DataConn) -> Transport:
+    def _pick(self, conn: DataConn) -> SocketTransport:
         info, want = conn.info, self.config.transport
         if want == "tcp":
             return self._tcp

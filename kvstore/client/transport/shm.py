@@ -48,11 +48,10 @@ import numpy as np
 
 from kvstore._proto import store_pb2 as pb
 from kvstore.blocks import HEADER_SIZE, BlockHeader, checksum
-from kvstore.client.transport.base import Transport
 from kvstore.client.transport.buffers import fresh_landing, out_landing, prepare_writes
 from kvstore.client.transport.conn import DataConn
 from kvstore.client.transport.shm_direct import FALLBACK, DirectReader
-from kvstore.client.transport.tcp import miss, put_results, receive_inline
+from kvstore.client.transport.tcp import SocketTransport, miss, put_results, receive_inline
 from kvstore.errors import KVStoreError, StorageError, TransportError
 from kvstore.observe.counters import NodeCounters
 from kvstore.shm.segment import map_segment
@@ -94,7 +93,7 @@ class Segment:
             self._mm = None
 
 
-class ShmTransport(Transport):
+class ShmTransport(SocketTransport):
     """Payload copies through the node's shared-memory segment."""
 
     name = "shm"

@@ -26,7 +26,7 @@ from kvstore.observe.counters import NodeCounters
 from kvstore.wire.codec import error_of, meta_of
 from kvstore.wire.frames import Op
 
-__all__ = ["TcpTransport", "miss", "put_results", "receive_inline"]
+__all__ = ["SocketTransport", "TcpTransport", "miss", "put_results", "receive_inline"]
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,19 @@ def put_results(resp: pb.PutResponse, sent: Sequence[Any], results: list[Any]) -
     return results
 
 
-class TcpTransport(Transport):
+class SocketTransport(Transport[DataConn]):
+    """What both socket transports share: the metadata questions, one frame each."""
+
+    def exists(self, conn: DataConn, keys: Sequence[bytes], deadline: float) -> list[bool]:
+        req = pb.KeysRequest(keys=keys)
+        return list(conn.call(Op.EXISTS, req, pb.ExistsResponse, deadline)[0].present)
+
+    def match_prefix(self, conn: DataConn, keys: Sequence[bytes], deadline: float) -> int:
+        req = pb.KeysRequest(keys=keys)
+        return int(conn.call(Op.MATCH, req, pb.MatchPrefixResponse, deadline)[0].matched)
+
+
+class TcpTransport(SocketTransport):
     """Payloads on the socket."""
 
     name = "tcp"
