@@ -1,7 +1,7 @@
-"""Block lifecycle events, drained from a bounded queue by whoever mirrors the node.
+"""Block lifecycle events, taken from a bounded queue by whoever mirrors the node.
 
 The node appends one event per state change (under its lock, so the order is the
-order of changes); the directory publisher and the scheduler drain them in batches.
+order of changes); the directory publisher and the scheduler take them in batches.
 The queue is bounded: a consumer that falls behind sees ``dropped > 0`` and must
 re-list the node instead of trusting a partial stream.
 """
@@ -64,7 +64,7 @@ class EventQueue:
                 self.dropped += 1
             self._q.append(event)
 
-    def drain(self, limit: int | None = None) -> list[BlockEvent]:
+    def take(self, limit: int | None = None) -> list[BlockEvent]:
         """Take up to ``limit`` events (all if None), oldest first."""
         with self._lock:
             n = len(self._q) if limit is None else min(limit, len(self._q))

@@ -298,7 +298,7 @@ def _cmd_drain(args: argparse.Namespace) -> int:
 
     with connect(args.address, args, admin="drain") as source:
         if args.undo:
-            source.drain(False)
+            source.set_draining(False)
             print(f"{args.address}: takes writes again", file=sys.stderr)
             if args.json:
                 _print_json({"node": args.address, "draining": False})

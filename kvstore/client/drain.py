@@ -72,7 +72,7 @@ def drain_node(
     if not targets and not drop:
         raise ConfigError("drain: name a node to move blocks to, or allow dropping them")
     src = AdminClient(source)
-    source.drain(True)
+    source.set_draining(True)
     st = source.stats()
     report = DrainReport(str(st["node_id"]), int(st["blocks"]))
     pool = _targets(report.node_id, source, targets)

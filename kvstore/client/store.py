@@ -299,7 +299,7 @@ class NodeClient:
         resp = self._rpc("Health", pb.HealthRequest(), timeout)
         return str(pb.HealthResponse.ServingStatus.Name(resp.status)).lower()
 
-    def drain(self, draining: bool = True, *, timeout: float | None = None) -> bool:
+    def set_draining(self, draining: bool = True, *, timeout: float | None = None) -> bool:
         """Admin: make the server refuse new writes (or accept them again)."""
         return bool(self._rpc("Drain", pb.DrainRequest(draining=draining), timeout).draining)
 
@@ -494,8 +494,8 @@ class AsyncNodeClient:
     async def health(self, *, timeout: float | None = None) -> str:
         return await self._run(self.sync.health, timeout=timeout)
 
-    async def drain(self, draining: bool = True, *, timeout: float | None = None) -> bool:
-        return await self._run(self.sync.drain, draining, timeout=timeout)
+    async def set_draining(self, draining: bool = True, *, timeout: float | None = None) -> bool:
+        return await self._run(self.sync.set_draining, draining, timeout=timeout)
 
     async def control(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
         """See :meth:`StoreClient.control`."""

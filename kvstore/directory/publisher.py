@@ -1,7 +1,7 @@
 """Carries a StoreNode's block events into the directory, in the background.
 
 A put must never wait for etcd, so the node only appends events to its bounded
-queue; this task drains them in batches and publishes them. Batching is where the
+queue; this task takes them in batches and publishes them. Batching is where the
 throughput comes from: a burst of puts becomes a few 128-op transactions.
 
 Dropped events (the queue overflowed while the directory was slow or down) mean the
@@ -39,7 +39,7 @@ class EventSource(Protocol):
     @property
     def tiers(self) -> tuple[TierKind, ...]: ...
 
-    def drain_events(self, limit: int | None = None) -> list[BlockEvent]: ...
+    def take_events(self, limit: int | None = None) -> list[BlockEvent]: ...
 
     def snapshot(self) -> Sequence[tuple[bytes, TierKind, int]]: ...
 
@@ -101,9 +101,9 @@ class Publisher:
                 await task
         if flush and self.error is None:
             with contextlib.suppress(KVStoreError, asyncio.TimeoutError):
-                await asyncio.wait_for(self._drain_all(), timeout)
+                await asyncio.wait_for(self._publish_all(), timeout)
 
-    async def _drain_all(self) -> None:
+    async def _publish_all(self) -> None:
         while await self.run_once():
             pass
         await self.directory.flush(self.node.node_id)
@@ -114,10 +114,10 @@ class Publisher:
         dropped = self.node.events.dropped
         if dropped != self._seen_dropped:
             self._seen_dropped = dropped
-            stale = len(self.node.drain_events())  # the re-list supersedes them
+            stale = len(self.node.take_events())  # the re-list supersedes them
             await self.resync()
             return max(stale, 1)
-        events = self.node.drain_events(self.batch)
+        events = self.node.take_events(self.batch)
         if events:
             self.revision = await self.directory.publish(node_id, events)
         elif self.directory.pending(node_id):

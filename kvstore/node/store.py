@@ -454,9 +454,9 @@ class StoreNode:
         What a directory publisher re-lists from after it missed events."""
         return self._index.snapshot()
 
-    def drain_events(self, limit: int | None = None) -> list[BlockEvent]:
+    def take_events(self, limit: int | None = None) -> list[BlockEvent]:
         """Take pending BlockStored / BlockRemoved / BlockMoved events, oldest first."""
-        return self.events.drain(limit)
+        return self.events.take(limit)
 
     def stats(self) -> dict[str, Any]:
         """Per-tier capacity/used/blocks and the node's counters, as plain data."""

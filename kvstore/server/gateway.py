@@ -478,12 +478,12 @@ class Gateway:
             if draining and hook is not None:
                 await hook(True)
         finally:
-            self.drain(p, draining)
+            self.set_local_draining(p, draining)
         if not draining and hook is not None:
             await hook(False)
         return self.draining
 
-    def drain(self, p: Principal, draining: bool) -> bool:
+    def set_local_draining(self, p: Principal, draining: bool) -> bool:
         """Admin: refuse (or accept again) new writes on this node only."""
         p.require_admin("drain")
         self.draining = draining

@@ -205,5 +205,5 @@ class Membership:
 
     async def _discard_loop(self) -> None:
         while True:
-            self.node.drain_events()
+            self.node.take_events()
             await asyncio.sleep(DISCARD_INTERVAL_S)

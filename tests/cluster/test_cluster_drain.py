@@ -112,7 +112,7 @@ def test_drain_moves_writes_off_the_node_and_no_request_fails(
                 load.progress(3)
                 assert writer.members.writer == "a"
                 with a.client(ADMIN) as admin:
-                    assert admin.drain(True) is True
+                    assert admin.set_draining(True) is True
                 # Written before the call returned: a fresh listing shows it at once.
                 nodes = nodes_doc(capsys, cl)
                 assert nodes["a"]["draining"] and not nodes["b"]["draining"]
@@ -163,7 +163,7 @@ def test_a_draining_node_that_loses_its_lease_re_registers_draining(
     cl = two_nodes(etcd_server, cluster_name, tmp_path)
     try:
         with cl.servers["a"].client(ADMIN) as admin:
-            admin.drain(True)
+            admin.set_draining(True)
         with BackgroundDirectory(lambda: EtcdDirectory(cl.etcd, cl.name)) as bg:
             m = bg.start()
             before = m.node("a")

@@ -52,7 +52,7 @@ class Cluster:
     def publish(self) -> None:
         """What each server's publisher does: its node's events into the directory."""
         for node_id in NODES:
-            events = self.node(node_id).drain_events()
+            events = self.node(node_id).take_events()
             d = self.registry.directory
             assert d is not None
             rev = self.registry.call(lambda d=d, n=node_id, e=events: d.publish(n, e))

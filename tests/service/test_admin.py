@@ -221,7 +221,7 @@ def test_the_server_refuses_admin_rpcs_to_a_tenant(shared: ServerProcess) -> Non
             lambda: admin.scan(10),
             lambda: admin.export([key("s", 0)]),
             lambda: admin.purge([key("s", 0)]),
-            lambda: c.drain(True),
+            lambda: c.set_draining(True),
         )
         for call in calls:
             with pytest.raises(PermissionDenied):

@@ -201,16 +201,16 @@ def test_admin_operations_need_an_admin_token(store_server: ServerProcess) -> No
         with pytest.raises(PermissionDenied):
             AdminClient(c).evict("dram", 0)
         with pytest.raises(PermissionDenied):
-            c.drain(True)
+            c.set_draining(True)
     with store_server.client(ADMIN) as admin, store_server.client(ALPHA) as c:
-        assert admin.drain(True) is True
+        assert admin.set_draining(True) is True
         try:
             assert c.health() == "draining"
             with pytest.raises(Unavailable, match="draining"):
                 c.put(b"drain-test-key..", b"x", timeout=1)
             assert c.exists([b"drain-test-key.."]) == [False]  # reads keep working
         finally:
-            assert admin.drain(False) is False
+            assert admin.set_draining(False) is False
         assert c.put(b"drain-test-key..", b"x") is True
 
 

@@ -108,7 +108,7 @@ def test_demotion_promotion_and_events(node: StoreNode) -> None:
     for i, k in enumerate(keys):  # every block still reads back exactly
         assert torch.equal(node.get(k, namespace=NS), _block(i)), i
     assert node.tier_of(keys[-1]) is TierKind.DRAM  # promoted on its hit
-    ev = node.drain_events()
+    ev = node.take_events()
     assert sum(isinstance(e, BlockStored) for e in ev) == 50
     assert any(isinstance(e, BlockMoved) and e.dst is TierKind.SSD for e in ev)
     assert any(isinstance(e, BlockMoved) and e.dst is TierKind.DRAM for e in ev)
@@ -123,7 +123,7 @@ def test_full_dram_and_ssd_evict_oldest(node: StoreNode) -> None:
     assert st["blocks"] < 100
     assert node.exists(keys[:5]) == [False] * 5  # oldest went first
     assert all(node.exists(keys[-15:]))
-    assert any(isinstance(e, BlockRemoved) for e in node.drain_events())
+    assert any(isinstance(e, BlockRemoved) for e in node.take_events())
 
 
 def test_pinned_block_survives_eviction(node: StoreNode) -> None:
@@ -209,7 +209,7 @@ def test_restart_reannounces_ssd_blocks(tmp_path: Path) -> None:
     assert len(on_ssd) >= 15
     with StoreNode(**cfg) as n:  # type: ignore[arg-type]
         assert n.exists(on_ssd) == [True] * len(on_ssd)
-        stored = {e.key for e in n.drain_events() if isinstance(e, BlockStored)}
+        stored = {e.key for e in n.take_events() if isinstance(e, BlockStored)}
         assert stored == set(on_ssd)
         i = keys.index(on_ssd[0])
         assert torch.equal(n.get(on_ssd[0], namespace=NS), _block(i))
