@@ -12,18 +12,14 @@ Children also get SIGTERM if this process dies (``PR_SET_PDEATHSIG``).
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import json
-import select
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvstore.cli.children import Child, spawn, stop_group, wait_ready
 from kvstore.config import child_env
 from kvstore.errors import ConfigError, Unavailable
 
@@ -31,12 +27,6 @@ __all__ = ["Child", "PoolSpec", "ServingPool", "WorkerSpec"]
 
 READY_TIMEOUT_S = 180.0  # loading SmolLM2 and timing its prefill on 2 busy cores
 STOP_GRACE_S = 10.0
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass(frozen=True)
@@ -88,27 +78,6 @@ class PoolSpec:
         return tuple(specs)
 
 
-@dataclass
-class Child:
-    """One child process, its log and the facts of its JSON ready line."""
-
-    name: str
-    proc: subprocess.Popen[str]
-    log: Path
-    facts: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def tail(self, n: int = 2000) -> str:
-        """The end of the child's log (for error messages)."""
-        try:
-            return self.log.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
-
-
 class ServingPool:
     """Workers and a router for the store nodes ``node_ids`` of one cluster."""
 
@@ -130,7 +99,6 @@ class ServingPool:
         # KVSTORE_TOKEN and friends reach the children through their environment,
         # never their command line (flags show up in ps).
         self._env = child_env(dict(settings or {}))
-        self._env["PYTHONUNBUFFERED"] = "1"
         self.workers: dict[str, Child] = {}
         self.routers: dict[str, Child] = {}  # policy -> router
 
@@ -155,7 +123,7 @@ class ServingPool:
                     "--host", s.host, "--port", "0", *s.worker_flags, *w.flags,
                 ]  # fmt: skip
                 self.workers[w.worker_id] = self._spawn(w.worker_id, argv)
-            self._wait_ready(list(self.workers.values()), deadline)
+            wait_ready(list(self.workers.values()), deadline)
             for i, policy in enumerate(s.policies):
                 port = s.router_port if i == 0 else 0
                 argv = [
@@ -165,7 +133,7 @@ class ServingPool:
                 ]  # fmt: skip
                 name = "router" if len(s.policies) == 1 else f"router-{policy}"
                 self.routers[policy] = self._spawn(name, argv)
-            self._wait_ready(list(self.routers.values()), deadline)
+            wait_ready(list(self.routers.values()), deadline)
             for url in self.urls().values():
                 self._wait_router_sees_workers(url, deadline)
         except BaseException:
@@ -174,41 +142,10 @@ class ServingPool:
         return self
 
     def _spawn(self, name: str, argv: list[str]) -> Child:
-        self.root.mkdir(parents=True, exist_ok=True)
-        log = self.root / f"{name}.log"
-        with open(log, "ab") as fh:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "kvstore.cli", *argv],
-                stdout=subprocess.PIPE,
-                stderr=fh,
-                env=self._env,
-                text=True,
-                start_new_session=True,  # Ctrl-C reaches only us: we stop them in order
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-            )
-        return Child(name, proc, log)
-
-    @staticmethod
-    def _tail(child: Child) -> str:
-        text = child.log.read_text(errors="replace").strip()
-        return f"[{child.name}] " + (text.splitlines()[-1] if text else "(no output)")
-
-    def _wait_ready(self, children: Sequence[Child], deadline: float) -> None:
-        waiting = {c.proc.stdout: c for c in children if c.proc.stdout is not None}
-        while waiting:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                tails = "; ".join(self._tail(c) for c in waiting.values())
-                raise Unavailable(f"serving processes not ready in time: {tails}")
-            ready, _, _ = select.select(list(waiting), [], [], min(left, 0.2))
-            for stream in ready:
-                child = waiting[stream]
-                line = stream.readline()
-                if line.startswith("{"):
-                    child.facts = json.loads(line)
-                    del waiting[stream]
-                elif not line and child.proc.poll() is not None:
-                    raise Unavailable(f"{child.name} exited: {self._tail(child)}")
+        return spawn(
+            name, [sys.executable, "-m", "kvstore.cli", *argv],
+            log=self.root / f"{name}.log", env=self._env,
+        )  # fmt: skip
 
     def _wait_router_sees_workers(self, url: str, deadline: float) -> None:
         import httpx
@@ -230,22 +167,11 @@ class ServingPool:
         return [c.name for c in every if c.proc.poll() is not None]
 
     def stop(self, grace: float = STOP_GRACE_S) -> None:
-        """Router first, then workers: SIGTERM, SIGKILL after ``grace``; idempotent."""
-        order = [list(self.routers.values()), list(self.workers.values())]
+        """Routers first, then workers: SIGTERM, SIGKILL after ``grace``; idempotent."""
+        routers, workers = list(self.routers.values()), list(self.workers.values())
         self.routers, self.workers = {}, {}
-        for group in order:
-            for c in group:
-                if c.proc.poll() is None:
-                    c.proc.send_signal(signal.SIGTERM)
-            end = time.monotonic() + grace
-            for c in group:
-                try:
-                    c.proc.wait(max(end - time.monotonic(), 0.01))
-                except subprocess.TimeoutExpired:
-                    c.proc.kill()
-                    c.proc.wait(5.0)
-                if c.proc.stdout is not None:
-                    c.proc.stdout.close()
+        stop_group(routers, grace)
+        stop_group(workers, grace)
 
     def describe(self) -> dict[str, Any]:
         """What a caller needs: each router's URL, each worker's id, role, node, address."""

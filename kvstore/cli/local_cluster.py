@@ -19,13 +19,8 @@ and reported back so the caller can print it.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import json
 import secrets
-import select
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -34,16 +29,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvstore.cli.children import spawn, stop_group, wait_ready
 from kvstore.config import ServerConfig, child_env, load_layered
 from kvstore.directory.etcd_process import EtcdProcess
-from kvstore.errors import ConfigError, Unavailable
+from kvstore.errors import ConfigError
 from kvstore.shm.index import index_name
 
 __all__ = ["LocalCluster", "NodeProcess"]
 
 READY_TIMEOUT_S = 60.0
 STOP_GRACE_S = 10.0
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -59,6 +54,15 @@ class NodeProcess:
     def pid(self) -> int:
         return self.proc.pid
 
+    @property
+    def name(self) -> str:
+        return self.node_id
+
+    def tail(self) -> str:
+        """The last line of the node's log (for error messages)."""
+        text = (self.workdir / "server.log").read_text(errors="replace").strip()
+        return f"[{self.node_id}] " + (text.splitlines()[-1] if text else "(no output)")
+
     def describe(self) -> dict[str, Any]:
         """What a caller needs to reach this node (JSON-able)."""
         f = self.facts
@@ -70,11 +74,6 @@ class NodeProcess:
             "shm_name": f.get("shm_name"),
             "log": str(self.workdir / "server.log"),
         }
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class LocalCluster:
@@ -166,41 +165,11 @@ class LocalCluster:
     def _spawn(self, i: int) -> NodeProcess:
         workdir = self.root / f"n{i}"
         workdir.mkdir(parents=True, exist_ok=True)
-        with open(workdir / "server.log", "ab") as log:
-            proc = subprocess.Popen(
-                self._argv(i, workdir),
-                stdout=subprocess.PIPE,
-                stderr=log,
-                env={**self._env, "PYTHONUNBUFFERED": "1"},
-                text=True,
-                start_new_session=True,  # Ctrl-C reaches only us: we stop them in order
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-            )
-        return NodeProcess(f"n{i}", workdir, proc)
+        child = spawn(f"n{i}", self._argv(i, workdir), log=workdir / "server.log", env=self._env)
+        return NodeProcess(f"n{i}", workdir, child.proc)
 
     def _wait_ready(self, deadline: float) -> None:
-        waiting = {n.proc.stdout: n for n in self.nodes if n.proc.stdout is not None}
-        while waiting:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise Unavailable(f"nodes not ready in time: {self._logs(waiting.values())}")
-            ready, _, _ = select.select(list(waiting), [], [], min(left, 0.2))
-            for stream in ready:
-                node = waiting[stream]
-                line = stream.readline()
-                if line.startswith("{"):
-                    node.facts = json.loads(line)
-                    del waiting[stream]
-                elif not line and node.proc.poll() is not None:
-                    raise Unavailable(f"node {node.node_id} exited: {self._logs([node])}")
-
-    @staticmethod
-    def _logs(nodes: Any) -> str:
-        tails = []
-        for n in nodes:
-            text = (n.workdir / "server.log").read_text(errors="replace").strip()
-            tails.append(f"[{n.node_id}] " + (text.splitlines()[-1] if text else "(no output)"))
-        return "; ".join(tails)
+        wait_ready(self.nodes, deadline)
 
     def exited(self) -> list[NodeProcess]:
         """Nodes whose process has ended."""
@@ -209,18 +178,8 @@ class LocalCluster:
     def stop(self, grace: float = STOP_GRACE_S) -> None:
         """Stop the nodes (SIGTERM, SIGKILL after ``grace``), then etcd; idempotent."""
         nodes, self.nodes = self.nodes, []
+        stop_group(nodes, grace)
         for n in nodes:
-            if n.proc.poll() is None:
-                n.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for n in nodes:
-            try:
-                n.proc.wait(max(deadline - time.monotonic(), 0.01))
-            except subprocess.TimeoutExpired:
-                n.proc.kill()
-                n.proc.wait(5.0)
-            if n.proc.stdout is not None:
-                n.proc.stdout.close()
             shm = n.facts.get("shm_name")
             if shm and n.proc.returncode != 0:  # a killed node cannot unlink its segment
                 Path("/dev/shm", shm).unlink(missing_ok=True)
