@@ -17,7 +17,7 @@ import random
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +42,27 @@ class _Req:
     fetch_s: float
 
 
+def class_summary(requests: Sequence[Any], *, fetch: bool = False) -> dict[str, Any]:
+    """Per request class (``cls``): count, prompt tokens p50, the share of prompt tokens
+    served from the store, and TTFT p50 with the store and from scratch (and the fetch
+    time p50 where requests record it). The demo's table, in process or live."""
+    out: dict[str, Any] = {}
+    med = statistics.median
+    for cls in sorted({r.cls for r in requests}):
+        rs = [r for r in requests if r.cls == cls]
+        out[cls] = {
+            "requests": len(rs),
+            "prompt_tokens_p50": med(r.prompt_tokens for r in rs),
+            "cached_share": sum(r.cached_tokens for r in rs)
+            / max(sum(r.prompt_tokens for r in rs), 1),
+            "ttft_store_p50_s": med(r.ttft_s for r in rs),
+            "ttft_scratch_p50_s": med(r.scratch_s for r in rs),
+        }
+        if fetch:
+            out[cls]["fetch_p50_s"] = med(r.fetch_s for r in rs)
+    return out
+
+
 @dataclass
 class DemoResult:
     """Per-request records plus the node's final stats."""
@@ -55,20 +76,7 @@ class DemoResult:
 
     def summary(self) -> dict[str, Any]:
         """Per request class: TTFT with the store vs from scratch, and cache share."""
-        out: dict[str, Any] = {}
-        for cls in sorted({r.cls for r in self.requests}):
-            rs = [r for r in self.requests if r.cls == cls]
-            med = statistics.median
-            out[cls] = {
-                "requests": len(rs),
-                "prompt_tokens_p50": med(r.prompt_tokens for r in rs),
-                "cached_share": sum(r.cached_tokens for r in rs)
-                / max(sum(r.prompt_tokens for r in rs), 1),
-                "ttft_store_p50_s": med(r.ttft_s for r in rs),
-                "ttft_scratch_p50_s": med(r.scratch_s for r in rs),
-                "fetch_p50_s": med(r.fetch_s for r in rs),
-            }
-        return out
+        return class_summary(self.requests, fetch=True)
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data for ``--json``."""

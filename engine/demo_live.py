@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import os
 import random
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from engine.demo import QUESTIONS, SYSTEM
+from engine.demo import QUESTIONS, SYSTEM, class_summary
 
 __all__ = ["LiveRequest", "LiveResult", "run_live_demo"]
 
@@ -68,19 +67,7 @@ class LiveResult:
 
     def summary(self) -> dict[str, Any]:
         """Per request class: TTFT through the router vs from scratch, cache share."""
-        out: dict[str, Any] = {}
-        for cls in sorted({r.cls for r in self.requests}):
-            rs = [r for r in self.requests if r.cls == cls]
-            med = statistics.median
-            out[cls] = {
-                "requests": len(rs),
-                "prompt_tokens_p50": med(r.prompt_tokens for r in rs),
-                "cached_share": sum(r.cached_tokens for r in rs)
-                / max(sum(r.prompt_tokens for r in rs), 1),
-                "ttft_store_p50_s": med(r.ttft_s for r in rs),
-                "ttft_scratch_p50_s": med(r.scratch_s for r in rs),
-            }
-        return out
+        return class_summary(self.requests)
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data for ``--json`` (the in-process demo's keys, plus routes)."""
