@@ -11,6 +11,10 @@ short, a reset or a stall past ``io_timeout_s`` closes the connection and aborts
 reservation, so nothing half-written is ever visible. Every lease granted on a
 connection (shared-memory reads and writes) ends when it closes.
 
+HELLO also says which process the client runs in: while any client of this very process
+is connected, no connection polls for its next request (kvstore/wire/polling.py), since
+the poller would hold the GIL that client needs to send it.
+
 Counting (kvstore/observe/names.py): payload bytes on the socket are path ``tcp`` (over
 TCP or the same-host Unix socket alike), leased extents are ``shm``; one latency
 observation per GET and PUT (tcp) and per LEASE and COMMIT (shm), reply sent included.
@@ -48,7 +52,7 @@ from kvstore.wire.frames import (
     ProtocolError,
     socket_errors,
 )
-from kvstore.wire.polling import PRESENCE, IdlePoller
+from kvstore.wire.polling import IdlePoller, same_process
 
 __all__ = ["DataServer"]
 
@@ -101,9 +105,11 @@ class DataServer:
         self._listeners: list[socket.socket] = []
         self._threads: list[threading.Thread] = []
         self._closing = False
-        self._present = False  # counted in PRESENCE.servers
+        self._in_process = 0  # open connections of clients in this process (under _lock)
         self.unix_name = ""
-        self.poller = IdlePoller(config.data_poll_us / 1e6, gateway.counters)
+        self.poller = IdlePoller(
+            config.data_poll_us / 1e6, gateway.counters, may_poll=self._may_poll
+        )
         gateway.gauges["connections"] = lambda: len(self._conns)
 
     def start(self, unix_name: str = "") -> int:
@@ -117,9 +123,6 @@ class DataServer:
             ls.bind((c.host, c.data_port))
             ls.listen(128)
         self._listen(ls)
-        if not self._present:
-            self._present = True
-            PRESENCE.servers += 1  # clients in this process stop polling (busypoll.py)
         if unix_name and sys.platform.startswith("linux"):
             try:
                 us = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -142,9 +145,6 @@ class DataServer:
     def close(self) -> None:
         """Stop accepting and close every connection (their leases end)."""
         self._closing = True
-        if self._present:
-            self._present = False
-            PRESENCE.servers -= 1
         for ls in self._listeners:
             with contextlib.suppress(OSError):
                 ls.shutdown(socket.SHUT_RDWR)
@@ -158,6 +158,20 @@ class DataServer:
             fs.close()  # wakes each connection thread, which ends its leases and exits
         for t in workers:
             t.join(timeout=5)
+
+    @property
+    def in_process_clients(self) -> int:
+        """Open connections whose client runs in this process (none polls meanwhile)."""
+        return self._in_process
+
+    def _may_poll(self) -> bool:
+        # a plain read under the GIL: a connection that just came or went costs one
+        # poll window at most
+        return not self._in_process
+
+    def _count_in_process(self, step: int) -> None:
+        with self._lock:
+            self._in_process += step
 
     def _accept_loop(self, listener: socket.socket) -> None:
         while not self._closing:
@@ -219,6 +233,7 @@ class _Session:
         self.fs = fs
         self.id = conn_id
         self.p: Principal | None = None
+        self.in_process = False  # the client runs in this process (counted on the server)
         self.handlers: dict[int, Callable[[bytes, int], Message | None]] = {
             Op.GET: self.get,
             Op.LEASE: self.lease,
@@ -240,6 +255,13 @@ class _Session:
     def serve(self) -> None:
         """Handshake, then serve requests until the peer closes or breaks the framing."""
         self.fs.set_timeout(self.server.config.io_timeout_s)
+        try:
+            self._serve()
+        finally:
+            if self.in_process:
+                self.server._count_in_process(-1)
+
+    def _serve(self) -> None:
         try:
             self.hello()
             later: bytes | None = None  # a RELEASE that came ahead of a request
@@ -282,6 +304,9 @@ class _Session:
         except KVStoreError as exc:
             _send_error(self.fs, exc)
             raise
+        if same_process(hello.host_id, hello.pid):
+            self.in_process = True  # no connection polls until this one ends
+            self.server._count_in_process(1)
         self.fs.send(Op.INFO, self.server.info(self.p).SerializeToString())
 
     def dispatch(self, op: int, meta: bytes, body_len: int) -> None:

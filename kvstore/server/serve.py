@@ -172,6 +172,7 @@ class StoreServer:
             instance_id=self.instance_id,
             draining=self._gateway.draining,
             unix_socket=self._data.unix_name if self._data is not None else "",
+            pid=os.getpid(),
         )
 
     async def stop(self, grace: float = 1.0) -> None:

@@ -27,40 +27,40 @@ polling off.
 The client polls for each reply the same way (ClientConfig.reply_poll_us, see
 kvstore/client/transport/conn.py). Neither end polls when a server and a client share one
 process (tests, embedded setups): there the poller would hold the GIL that the other
-end needs in order to answer. :data:`PRESENCE` records which ends this process runs.
+end needs in order to answer. Each end learns it from the handshake, where both send
+their host id and process id (:func:`same_process`): a data server does not poll at all
+while a client of its own process is connected (DataServer hands its IdlePoller that
+test), and a client does not poll for replies from a server in its own process
+(DataConn.poll_replies). There is no process-wide state: each server and each client
+pool decides for itself.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from collections.abc import Callable
 
 from kvstore.observe.counters import NodeCounters
 from kvstore.wire.frames import FrameSocket
+from kvstore.wire.locality import host_id
 
-__all__ = ["PRESENCE", "IdlePoller", "Presence"]
-
-
-class Presence:
-    """Which ends of the data socket this process runs (plain flags: set once, read
-    on every request)."""
-
-    def __init__(self) -> None:
-        self.servers = 0  # data servers running here
-        self.clients = False  # a client has opened a data connection here
-
-    @property
-    def server_may_poll(self) -> bool:
-        """No client here waits on this process's GIL to send its next request."""
-        return not self.clients
-
-    @property
-    def client_may_poll(self) -> bool:
-        """No server here needs this process's GIL to produce the reply."""
-        return self.servers == 0
+__all__ = ["IdlePoller", "same_process"]
 
 
-PRESENCE = Presence()
+def same_process(peer_host_id: str, peer_pid: int) -> bool:
+    """Whether the peer that sent ``peer_host_id`` and ``peer_pid`` in the handshake is
+    this very process: same kernel (:func:`~kvstore.wire.locality.host_id`) and same
+    process id. A peer that sent no pid (0) never is. Where neither end has a boot id
+    (both "") equal pids count as the same process: a doubt costs a remote peer its
+    polls, never a local one its GIL.
+    """
+    return bool(peer_pid) and peer_pid == os.getpid() and peer_host_id == host_id()
+
+
+def _always() -> bool:
+    return True
 
 
 class IdlePoller:
@@ -71,12 +71,22 @@ class IdlePoller:
     counts ``data_polls_caught`` (the next request came within the window) or
     ``data_polls_missed``: a server whose polls mostly miss is burning CPU for nothing
     and wants a shorter window or none.
+
+    ``may_poll`` comes from the owner and is asked before every poll: False while
+    polling would starve someone of the GIL (DataServer: a client of its own process is
+    connected). Without one, polling is always allowed.
     """
 
     def __init__(
-        self, window_s: float, counters: NodeCounters | None = None, *, quiet_s: float = 0.005
+        self,
+        window_s: float,
+        counters: NodeCounters | None = None,
+        *,
+        quiet_s: float = 0.005,
+        may_poll: Callable[[], bool] = _always,
     ) -> None:
         self.window_s = window_s
+        self.may_poll = may_poll
         self.quiet_s = quiet_s
         self.counters = counters if counters is not None else NodeCounters()
         self._slot = threading.Lock()  # held by the one connection polling
@@ -114,7 +124,7 @@ class IdlePoller:
         arrived (they are buffered in ``fs``). False when polling is not allowed now,
         the window passed, or another connection got a request; the caller then blocks
         as usual."""
-        if self.window_s <= 0 or fs.buffered or fs.tls or not PRESENCE.server_may_poll:
+        if self.window_s <= 0 or fs.buffered or fs.tls or not self.may_poll():
             return False
         now = time.perf_counter()
         if now < self._shared_until or not self._slot.acquire(blocking=False):

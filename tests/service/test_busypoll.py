@@ -2,28 +2,41 @@
 
 Polling must never lose or reorder a byte of the stream. It must end when its window
 passes, when the peer closes, and when another connection's request is handled. It
-must stay off while clients interleave. Against a real server: polling changes no
-answer, single or concurrent clients, and ``data_poll_us 0`` turns it off.
+must stay off while clients interleave, and neither end polls for a peer in its own
+process (each learns it from the handshake; there is no process-wide state, so every
+object here is built with the state it needs). Against a real server: polling changes
+no answer, single or concurrent clients, and ``data_poll_us 0`` turns it off; a server
+in this process and its in-process client never poll, while a client in another
+process is polled for.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
 
 from kvstore._proto import store_pb2 as pb
+from kvstore.client import StoreClient
 from kvstore.client.transport.conn import DataConn
-from kvstore.config import ClientConfig, ServerConfig
+from kvstore.config import ClientConfig, NodeConfig, ServerConfig
 from kvstore.errors import ConfigError
 from kvstore.observe.counters import NodeCounters
-from kvstore.wire.frames import REPLY, FrameSocket, Op, frame
-from kvstore.wire.polling import PRESENCE, IdlePoller, Presence
+from kvstore.server.serve import StoreServer
+from kvstore.wire.frames import PROTOCOL, REPLY, FrameSocket, Op, frame
+from kvstore.wire.locality import host_id
+from kvstore.wire.polling import IdlePoller, same_process
 from tests.support.server_process import ALPHA
 
 if TYPE_CHECKING:
@@ -31,18 +44,13 @@ if TYPE_CHECKING:
 
 
 KiB = 1 << 10
+ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(autouse=True)
-def _alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    """This test process also runs clients (and in-process servers elsewhere in the
-    suite): each test here starts as a process that runs neither."""
-    monkeypatch.setattr(PRESENCE, "clients", False)
-    monkeypatch.setattr(PRESENCE, "servers", 0)
-
-
+# Not named ``pair``: tests/conftest.py marks tests using a fixture of that name as
+# starting processes (tests/cluster's pair does); these sockets are all in this process.
 @pytest.fixture
-def pair() -> Iterator[tuple[FrameSocket, socket.socket]]:
+def sockets() -> Iterator[tuple[FrameSocket, socket.socket]]:
     """A server-side FrameSocket over loopback TCP and the raw socket of its client."""
     ls = socket.create_server(("127.0.0.1", 0))
     client = socket.create_connection(ls.getsockname())
@@ -71,9 +79,9 @@ def _later(seconds: float, fn: object) -> threading.Thread:
 
 
 def test_a_frame_sent_while_polling_is_buffered_and_read_whole(
-    pair: tuple[FrameSocket, socket.socket],
+    sockets: tuple[FrameSocket, socket.socket],
 ) -> None:
-    fs, client = pair
+    fs, client = sockets
     t = _later(0.02, lambda: client.sendall(frame(Op.EXISTS, b"meta-bytes")))
     deadline = time.monotonic() + 5
     assert fs.poll_next(lambda: time.monotonic() < deadline)
@@ -84,9 +92,9 @@ def test_a_frame_sent_while_polling_is_buffered_and_read_whole(
 
 
 def test_a_poll_that_times_out_loses_nothing_that_comes_later(
-    pair: tuple[FrameSocket, socket.socket],
+    sockets: tuple[FrameSocket, socket.socket],
 ) -> None:
-    fs, client = pair
+    fs, client = sockets
     deadline = time.monotonic() + 0.01
     assert not fs.poll_next(lambda: time.monotonic() < deadline)
     assert fs.buffered == 0
@@ -98,9 +106,9 @@ def test_a_poll_that_times_out_loses_nothing_that_comes_later(
 
 
 def test_a_poll_after_part_of_a_frame_keeps_the_order(
-    pair: tuple[FrameSocket, socket.socket],
+    sockets: tuple[FrameSocket, socket.socket],
 ) -> None:
-    fs, client = pair
+    fs, client = sockets
     whole = frame(Op.EXISTS, b"x" * 100)
     client.sendall(whole[:7])  # half a header
     deadline = time.monotonic() + 5
@@ -111,9 +119,9 @@ def test_a_poll_after_part_of_a_frame_keeps_the_order(
 
 
 def test_a_peer_that_hangs_up_ends_the_poll_and_the_read_sees_eof(
-    pair: tuple[FrameSocket, socket.socket],
+    sockets: tuple[FrameSocket, socket.socket],
 ) -> None:
-    fs, client = pair
+    fs, client = sockets
     _later(0.01, client.close)
     deadline = time.monotonic() + 5
     assert fs.poll_next(lambda: time.monotonic() < deadline)
@@ -125,9 +133,9 @@ def test_a_peer_that_hangs_up_ends_the_poll_and_the_read_sees_eof(
 
 
 def test_a_lone_client_is_polled_for_and_counted(
-    pair: tuple[FrameSocket, socket.socket],
+    sockets: tuple[FrameSocket, socket.socket],
 ) -> None:
-    fs, client = pair
+    fs, client = sockets
     counters = NodeCounters()
     poller = IdlePoller(0.5, counters)
     poller.served(1)
@@ -142,8 +150,8 @@ def test_a_lone_client_is_polled_for_and_counted(
     assert counters.get("data_polls_missed") == 1
 
 
-def test_a_window_of_zero_never_polls(pair: tuple[FrameSocket, socket.socket]) -> None:
-    fs, _ = pair
+def test_a_window_of_zero_never_polls(sockets: tuple[FrameSocket, socket.socket]) -> None:
+    fs, _ = sockets
     counters = NodeCounters()
     poller = IdlePoller(0.0, counters)
     assert not poller.enabled
@@ -152,9 +160,9 @@ def test_a_window_of_zero_never_polls(pair: tuple[FrameSocket, socket.socket]) -
 
 
 def test_another_connections_request_ends_a_poll(
-    pair: tuple[FrameSocket, socket.socket],
+    sockets: tuple[FrameSocket, socket.socket],
 ) -> None:
-    fs, _ = pair
+    fs, _ = sockets
     poller = IdlePoller(10.0)
     poller.served(1)
     _later(0.02, lambda: poller.served(2))
@@ -163,8 +171,8 @@ def test_another_connections_request_ends_a_poll(
     assert time.monotonic() - t0 < 5.0  # far short of the 10 s window
 
 
-def test_one_poller_at_a_time(pair: tuple[FrameSocket, socket.socket]) -> None:
-    fs, client = pair
+def test_one_poller_at_a_time(sockets: tuple[FrameSocket, socket.socket]) -> None:
+    fs, client = sockets
     poller = IdlePoller(10.0)
     poller.served(1)
     caught: list[bool] = []
@@ -180,9 +188,9 @@ def test_one_poller_at_a_time(pair: tuple[FrameSocket, socket.socket]) -> None:
 
 
 def test_clients_taking_turns_fast_turn_polling_off_for_a_while(
-    pair: tuple[FrameSocket, socket.socket],
+    sockets: tuple[FrameSocket, socket.socket],
 ) -> None:
-    fs, client = pair
+    fs, client = sockets
     poller = IdlePoller(0.5, quiet_s=0.2)
     poller.served(1)
     poller.served(2)  # one change of client: a hand-over, polling stays on
@@ -198,19 +206,31 @@ def test_clients_taking_turns_fast_turn_polling_off_for_a_while(
     assert poller.wait(fs, 1)
 
 
-def test_neither_end_polls_when_both_share_a_process(
-    pair: tuple[FrameSocket, socket.socket],
+def test_a_peer_is_in_this_process_only_with_this_host_and_pid() -> None:
+    assert same_process(host_id(), os.getpid())
+    assert not same_process(host_id(), os.getpid() + 1)
+    assert not same_process("another-host", os.getpid())
+    assert not same_process(host_id(), 0)  # a peer that sent no pid
+
+
+def test_a_poller_its_owner_forbids_never_polls(
+    sockets: tuple[FrameSocket, socket.socket],
 ) -> None:
-    """The poller would hold the GIL the other end needs to answer."""
-    fs, client = pair
-    here = Presence()
-    assert here.server_may_poll and here.client_may_poll
-    here.clients, here.servers = True, 1
-    assert not here.server_may_poll and not here.client_may_poll
-    PRESENCE.clients = True  # a client opened a data connection in this process
+    """A server with a client of its own process connected: the poller would hold the
+    GIL that client needs to send its next request."""
+    fs, client = sockets
+    allowed = [False]
+    counters = NodeCounters()
+    poller = IdlePoller(5.0, counters, may_poll=lambda: allowed[0])
+    poller.served(1)
     client.sendall(frame(Op.EXISTS, b""))
     time.sleep(0.05)
-    assert not IdlePoller(5.0).wait(fs, 1)  # refused at once, though a frame is waiting
+    t0 = time.monotonic()
+    assert not poller.wait(fs, 1)  # refused at once, though a frame is waiting
+    assert time.monotonic() - t0 < 1.0
+    assert counters.snapshot() == {}
+    allowed[0] = True  # that client is gone
+    assert poller.wait(fs, 1)
 
 
 def test_the_window_is_validated() -> None:
@@ -226,12 +246,13 @@ def test_the_window_is_validated() -> None:
 
 @pytest.mark.parametrize("delay_s", [0.0, 0.002, 0.05])
 def test_a_reply_is_read_whole_however_long_it_takes(
-    pair: tuple[FrameSocket, socket.socket], delay_s: float
+    sockets: tuple[FrameSocket, socket.socket], delay_s: float
 ) -> None:
     """Within the poll window, just past it and far past it: the same reply."""
-    server_fs, client_sock = pair
+    server_fs, client_sock = sockets
     conn = DataConn(FrameSocket(client_sock, max_meta=1 << 20), pb.InfoResponse())
-    conn.reply_poll_s = 0.001
+    conn.poll_replies(0.001, threading.Lock())
+    assert conn.reply_poll_s == 0.001
 
     def answer() -> None:
         op, meta_len, _ = server_fs.recv_header()
@@ -248,6 +269,21 @@ def test_a_reply_is_read_whole_however_long_it_takes(
     )
     t.join(5)
     assert list(got.present) == [True, False] and body == 0
+
+
+def test_a_client_does_not_poll_for_a_server_in_its_own_process(
+    sockets: tuple[FrameSocket, socket.socket],
+) -> None:
+    _, client_sock = sockets
+    fs = FrameSocket(client_sock, max_meta=1 << 20)
+    here = DataConn(fs, pb.InfoResponse(host_id=host_id(), pid=os.getpid()))
+    elsewhere = DataConn(fs, pb.InfoResponse(host_id=host_id(), pid=os.getpid() + 1))
+    slot = threading.Lock()  # a pool's: one of its threads polls at a time
+    here.poll_replies(0.005, slot)
+    elsewhere.poll_replies(0.005, slot)
+    assert here.server_in_process and here.reply_poll_s == 0
+    assert not elsewhere.server_in_process and elsewhere.reply_poll_s == 0.005
+    assert elsewhere.reply_slot is slot
 
 
 def test_the_client_poll_window_is_validated() -> None:
@@ -323,3 +359,114 @@ def test_a_window_of_zero_turns_polling_off(server_factory: ServerFactory) -> No
             assert c.get(key) is not None
         counters = c.stats()["server"]
     assert "data_polls_caught" not in counters and "data_polls_missed" not in counters
+
+
+# -- a server in this process ------------------------------------------------------------
+
+
+@contextmanager
+def _server_here(**config: object) -> Iterator[StoreServer]:
+    """A StoreServer in this process, its event loop on a thread of its own."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    srv = StoreServer(
+        NodeConfig(dram_bytes=8 << 20, warm=False),
+        ServerConfig(port=0, data_port=0, allow_anonymous=True, **config),  # type: ignore[arg-type]
+    )
+    try:
+        asyncio.run_coroutine_threadsafe(srv.start(), loop).result(30)
+        yield srv
+    finally:
+        asyncio.run_coroutine_threadsafe(srv.stop(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+
+
+def _in_process_clients(srv: StoreServer) -> int:
+    assert srv._data is not None
+    return srv._data.in_process_clients
+
+
+def _polls(srv: StoreServer) -> tuple[int, int]:
+    assert srv._gateway is not None
+    counters = srv._gateway.counters
+    return counters.get("data_polls_caught"), counters.get("data_polls_missed")
+
+
+def _until(cond: object, what: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
+        time.sleep(0.005)
+
+
+def _raw_gets(srv: StoreServer, pid: int, n: int) -> None:
+    """A hand-made data connection claiming ``pid``: HELLO, then ``n`` EXISTS."""
+    with socket.create_connection(("127.0.0.1", srv.data_port), timeout=5) as sock:
+        fs = FrameSocket(sock, max_meta=1 << 20)
+        fs.set_timeout(5)
+        hello = pb.Hello(protocol=PROTOCOL, pid=pid, host_id=host_id())
+        fs.send(Op.HELLO, hello.SerializeToString())
+        op, meta_len, _ = fs.recv_header()
+        assert op == Op.INFO
+        info = pb.InfoResponse.FromString(fs.recv_bytes(meta_len))
+        assert info.pid == os.getpid() and info.host_id == host_id()
+        assert _in_process_clients(srv) == (1 if pid == os.getpid() else 0)
+        req = pb.KeysRequest(keys=[b"k" * 16]).SerializeToString()
+        for _ in range(n):
+            fs.send(Op.EXISTS, req)
+            op, meta_len, _ = fs.recv_header()
+            assert op == Op.EXISTS | REPLY
+            fs.recv_bytes(meta_len)
+
+
+def test_the_server_polls_only_for_clients_of_other_processes() -> None:
+    """Hermetic: a connection saying HELLO with this pid stops polling while it is
+    open; one claiming another pid is polled for."""
+    with _server_here(data_poll_us=5000) as srv:
+        _raw_gets(srv, os.getpid(), 20)
+        assert _polls(srv) == (0, 0)
+        _until(lambda: _in_process_clients(srv) == 0, "in-process connection counted out")
+        _raw_gets(srv, os.getpid() + 1, 20)
+        caught, missed = _polls(srv)
+        assert caught + missed >= 10
+
+
+_REMOTE_CLIENT = """
+import sys
+import numpy as np
+from kvstore.client import StoreClient
+
+keys = [f"remote-{i}".encode().ljust(16, b".") for i in range(8)]
+value = np.arange(16 * 1024, dtype=np.uint8)
+with StoreClient.connect(sys.argv[1], transport="tcp", timeout_s=10) as c:
+    c.batch_put(keys, [value] * len(keys))
+    for _ in range(5):
+        for k in keys:
+            assert c.get(k) is not None
+"""
+
+
+@pytest.mark.process
+def test_an_in_process_pair_never_polls_and_a_client_elsewhere_is_polled_for() -> None:
+    with _server_here(data_poll_us=5000) as srv:
+        keys = [f"local-{i}".encode().ljust(16, b".") for i in range(8)]
+        values = _values(8, 16 * KiB, 3)
+        address = f"127.0.0.1:{srv.port}"
+        with StoreClient.connect(address, transport="tcp", reply_poll_us=2000) as c:
+            c.batch_put(keys, values)
+            for _ in range(5):
+                for k, v in zip(keys, values, strict=True):
+                    got = c.get(k)
+                    assert got is not None and np.array_equal(got, v)
+            assert _in_process_clients(srv) >= 1
+        assert _polls(srv) == (0, 0)  # that client's connections: never polled for
+        _until(lambda: _in_process_clients(srv) == 0, "in-process connections counted out")
+        subprocess.run(
+            [sys.executable, "-c", _REMOTE_CLIENT, address], cwd=ROOT, check=True, timeout=60
+        )
+        caught, missed = _polls(srv)
+        assert caught + missed >= 20  # one poll after each of its 40+ replies, or so
+        assert caught > 0

@@ -1,8 +1,10 @@
 """The client end of one data socket: connected, authenticated, and aware of the server.
 
 Opening a connection does the TLS handshake (when configured), sends HELLO with the
-bearer token and keeps the server's INFO reply: its host id, shared-memory segment and
-instance id decide which transport this connection uses (see pool.py). Requests and
+bearer token (and this process's host id and pid, so that a server in this very process
+knows not to poll: kvstore/wire/polling.py) and keeps the server's INFO reply: its host
+id, shared-memory segment and instance id decide which transport this connection uses
+(see pool.py), its host id and pid whether it polls for replies. Requests and
 replies alternate; a request-level failure comes back as an ERROR frame holding the
 stable error code and is raised as that exact class, with the connection still usable.
 """
@@ -10,6 +12,7 @@ stable error code and is raised as that exact class, with the connection still u
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import ssl
 import threading
@@ -30,13 +33,12 @@ from kvstore.wire.frames import (
     frame,
     socket_errors,
 )
-from kvstore.wire.polling import PRESENCE
+from kvstore.wire.locality import host_id
+from kvstore.wire.polling import same_process
 
 __all__ = ["DataConn"]
 
 M = TypeVar("M", bound=Message)
-
-_REPLY_POLL_SLOT = threading.Lock()  # the one thread of this process polling for a reply
 
 
 class DataConn:
@@ -52,6 +54,19 @@ class DataConn:
         self.touched_since = 0.0  # time.monotonic() of the oldest unreported read
         self.idle_since = 0.0  # time.monotonic() when last returned to the pool
         self.reply_poll_s = 0.0  # poll this long for a reply before sleeping (see call)
+        self.reply_slot: threading.Lock | None = None  # held by the one thread polling
+
+    @property
+    def server_in_process(self) -> bool:
+        """Whether INFO shows the server running in this very process."""
+        return same_process(self.info.host_id, self.info.pid)
+
+    def poll_replies(self, window_s: float, slot: threading.Lock) -> None:
+        """Poll up to ``window_s`` for each reply before sleeping, while holding ``slot``
+        (one lock per client pool: one of its threads polls at a time). Never for a
+        server in this process: the poller would hold the GIL it needs to answer."""
+        self.reply_poll_s = 0.0 if self.server_in_process else window_s
+        self.reply_slot = slot
 
     @classmethod
     def open(
@@ -88,7 +103,8 @@ class DataConn:
         fs = FrameSocket(sock, max_meta=max_meta)
         try:
             fs.set_deadline(deadline)
-            fs.send(Op.HELLO, pb.Hello(token=token, protocol=PROTOCOL).SerializeToString())
+            hello = pb.Hello(token=token, protocol=PROTOCOL, pid=os.getpid(), host_id=host_id())
+            fs.send(Op.HELLO, hello.SerializeToString())
             info = cls._reply(fs, Op.INFO, pb.InfoResponse)[0]
         except BaseException:
             fs.close()
@@ -117,19 +133,17 @@ class DataConn:
         fs.set_deadline(deadline)
         before = self._owed_frames()
         fs.send(op, msg.SerializeToString(), body, body_len, before=before)
-        if (
-            self.reply_poll_s
-            and PRESENCE.client_may_poll
-            and _REPLY_POLL_SLOT.acquire(blocking=False)
-        ):
+        slot = self.reply_slot
+        if self.reply_poll_s and slot is not None and slot.acquire(blocking=False):
             # A sleeping receiver is woken per reply at the price of an interprocessor
             # interrupt and a halted CPU's exit; a short poll catches a DRAM hit's reply
-            # with neither (ClientConfig.reply_poll_us). One thread polls at a time.
+            # with neither (ClientConfig.reply_poll_us). One thread of the pool polls at
+            # a time (poll_replies).
             try:
                 end = time.perf_counter() + self.reply_poll_s
                 fs.poll_next(lambda: time.perf_counter() < end)
             finally:
-                _REPLY_POLL_SLOT.release()
+                slot.release()
         return self._reply(fs, op | REPLY, reply)
 
     def defer_release(self, lease_ids: Sequence[int]) -> None:

@@ -38,7 +38,6 @@ from kvstore.observe.counters import NodeCounters
 from kvstore.shm.index import IndexReader, reader_supported
 from kvstore.wire.frames import Op
 from kvstore.wire.locality import host_id
-from kvstore.wire.polling import PRESENCE
 
 __all__ = ["ConnPool"]
 
@@ -54,7 +53,8 @@ class ConnPool(Links):
     outside the lock. Read leases a connection still owes the server
     (DataConn.defer_release) go out with its next request; a flusher thread, started on
     first need, sends them for connections left idle longer than RELEASE_DELAY_S, so an
-    idle client pins nothing for long.
+    idle client pins nothing for long. ``_reply_slot`` is held by the one thread of this
+    pool polling for a reply (DataConn.poll_replies).
     """
 
     RELEASE_DELAY_S = 0.005
@@ -85,6 +85,7 @@ class ConnPool(Links):
         self._waiters = 0  # callers waiting for a connection slot
         self._server = server  # where the data sockets are (None: ask with locate)
         self._tcp = TcpTransport(counters)
+        self._reply_slot = threading.Lock()  # one thread of this pool polls for a reply
         self._closed = False
         self.last_transport = ""
 
@@ -211,10 +212,10 @@ class ConnPool(Links):
         return conn, transport
 
     def _connect(self, server: pb.InfoResponse, deadline: float) -> DataConn:
-        """A new data connection, polling for replies as the config says."""
+        """A new data connection, polling for replies as the config says (never for a
+        server in this process, which learns from HELLO not to poll either)."""
         conn = self._dial(server, deadline)
-        conn.reply_poll_s = self.config.reply_poll_us / 1e6
-        PRESENCE.clients = True  # a server in this process stops polling (busypoll.py)
+        conn.poll_replies(self.config.reply_poll_us / 1e6, self._reply_slot)
         return conn
 
     def _dial(self, server: pb.InfoResponse, deadline: float) -> DataConn:
