@@ -170,6 +170,8 @@ class ServerConfig:
             client has the server to itself: see kvstore/wire/polling.py.
         workers: threads running blocking node calls for gRPC handlers.
         max_connections: concurrent data sockets.
+        max_handshakes: data sockets at once that have not authenticated yet (a share of
+            max_connections that unauthenticated peers can never exceed).
         etcd: ``host:port`` of the cluster directory; empty runs the node standalone.
         cluster: the cluster's name in the directory (1-64 of ``[A-Za-z0-9._-]``).
         node_lease_ttl_s: lifetime of the node's directory lease without a keepalive:
@@ -197,6 +199,7 @@ class ServerConfig:
     data_poll_us: int = 100
     workers: int = 8
     max_connections: int = 256
+    max_handshakes: int = 64
     etcd: str = ""
     cluster: str = "default"
     node_lease_ttl_s: float = 10.0
@@ -236,7 +239,7 @@ class ServerConfig:
             if path and not os.path.isfile(path):
                 raise ConfigError(f"{name}: no such file {path!r}")
         _positive(self, "max_batch", "max_message_bytes", "workers")
-        _positive(self, "lease_ttl_s", "io_timeout_s", "max_connections")
+        _positive(self, "lease_ttl_s", "io_timeout_s", "max_connections", "max_handshakes")
         if not 0 <= self.data_poll_us <= 10_000:
             raise ConfigError(
                 f"data_poll_us: {self.data_poll_us} is not 0 (off) to 10000 microseconds"

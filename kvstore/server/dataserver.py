@@ -73,6 +73,11 @@ _TIMED: dict[
 _UNANSWERED = frozenset((Op.RELEASE, Op.TOUCH))
 
 
+HELLO_MAX_META = 4096
+"""Largest HELLO metadata accepted: a token, a protocol number, a pid and a host id fit
+many times over, and an unauthenticated peer can make the server allocate no more."""
+
+
 def _parse(cls: type[Message], meta: bytes) -> Any:
     msg = cls()
     try:
@@ -106,11 +111,13 @@ class DataServer:
         self._threads: list[threading.Thread] = []
         self._closing = False
         self._in_process = 0  # open connections of clients in this process (under _lock)
+        self._handshaking = 0  # connections before (or in) HELLO (under _lock)
         self.unix_name = ""
         self.poller = IdlePoller(
             config.data_poll_us / 1e6, gateway.counters, may_poll=self._may_poll
         )
         gateway.gauges["connections"] = lambda: len(self._conns)
+        gateway.gauges["handshakes"] = lambda: self._handshaking
 
     def start(self, unix_name: str = "") -> int:
         """Bind the TCP listener (and, given a name, an abstract Unix socket for same-host
@@ -169,6 +176,10 @@ class DataServer:
         # poll window at most
         return not self._in_process
 
+    def _handshake_over(self) -> None:
+        with self._lock:
+            self._handshaking -= 1
+
     def _count_in_process(self, step: int) -> None:
         with self._lock:
             self._in_process += step
@@ -196,13 +207,19 @@ class DataServer:
                 sock.settimeout(self.config.io_timeout_s)
                 with socket_errors("TLS handshake"):
                     sock = self.tls.wrap_socket(sock, server_side=True)
-            fs = FrameSocket(sock, max_meta=self.config.max_message_bytes)
+            # Until HELLO authenticates it, a connection may send only a small frame:
+            # nothing it claims is allocated beyond HELLO_MAX_META.
+            fs = FrameSocket(sock, max_meta=HELLO_MAX_META)
+            fs.frame_timeout = self.config.io_timeout_s
             with self._lock:
                 full = len(self._conns) >= self.config.max_connections
-                if not full:
+                crowded = self._handshaking >= self.config.max_handshakes
+                if not (full or crowded):
                     self._conns[conn_id] = fs
-            if full:
-                _send_error(fs, Unavailable("too many data connections; try again later"))
+                    self._handshaking += 1
+            if full or crowded:
+                what = "data connections" if full else "connections not yet authenticated"
+                _send_error(fs, Unavailable(f"too many {what}; try again later"))
                 return
             _Session(self, fs, conn_id).serve()
         except (KVStoreError, OSError) as exc:
@@ -263,7 +280,10 @@ class _Session:
 
     def _serve(self) -> None:
         try:
-            self.hello()
+            try:
+                self.hello()
+            finally:
+                self.server._handshake_over()
             later: bytes | None = None  # a RELEASE that came ahead of a request
             poller = self.server.poller
             while True:
@@ -304,6 +324,7 @@ class _Session:
         except KVStoreError as exc:
             _send_error(self.fs, exc)
             raise
+        self.fs.max_meta = self.server.config.max_message_bytes  # authenticated
         if same_process(hello.host_id, hello.pid):
             self.in_process = True  # no connection polls until this one ends
             self.server._count_in_process(1)

@@ -258,6 +258,8 @@ _SERVER_FLAGS = {
     "io_timeout_s": "a started frame must finish within this, seconds",
     "data_poll_us": "poll this long for a lone client's next request (default 100; 0: off)",
     "workers": "threads for blocking node calls",
+    "max_connections": "concurrent data sockets (default 256)",
+    "max_handshakes": "data sockets not yet authenticated, at once (default 64)",
     "etcd": "HOST:PORT of the cluster directory (default: standalone)",
     "cluster": "cluster name in the directory (default 'default')",
     "node_lease_ttl_s": "directory lease of this node, seconds (default 10)",

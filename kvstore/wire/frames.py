@@ -142,6 +142,11 @@ class FrameSocket:
         self._view = memoryview(self._buf)
         self._r0 = self._r1 = 0  # buffered, unread bytes are _buf[_r0:_r1]
         self._timeout: float | None = -1.0
+        # A server bounds each frame as a whole (a peer dribbling a byte at a time never
+        # trips a per-receive timeout): the clock starts at a frame's first byte and is
+        # checked after every receive inside the frame. None (clients): no bound.
+        self.frame_timeout: float | None = None
+        self._frame_until = 0.0  # time.monotonic() deadline of the frame being read
         self.closed = False
         self.broken = False  # a send or receive failed: the stream is out of step
         try:
@@ -290,6 +295,8 @@ class FrameSocket:
                     f"{need} bytes)"
                 )
             self._r1 += k
+            if self.frame_timeout is not None:
+                self._check_frame_time()
 
     def poll_next(self, keep_going: Callable[[], bool]) -> bool:
         """Poll, without sleeping, for the first bytes of the next frame while
@@ -326,6 +333,8 @@ class FrameSocket:
         again (a server waiting for a client's next request), and an orderly close
         there raises EOFError. Anything malformed is a TransportError.
         """
+        if self.frame_timeout is not None:  # the clock starts at the frame's first byte
+            self._frame_until = time.monotonic() + self.frame_timeout if self._buffered() else 0.0
         try:
             self._fill(HEADER.size, idle=idle, header=True)
         except KVStoreError:
@@ -345,6 +354,15 @@ class FrameSocket:
                 f"{self.max_meta}"
             )
         return op, meta_len, body_len
+
+    def _check_frame_time(self) -> None:
+        now = time.monotonic()
+        if not self._frame_until:
+            self._frame_until = now + (self.frame_timeout or 0.0)
+        elif now > self._frame_until:
+            raise TimeoutError_(
+                f"data socket: the peer took more than {self.frame_timeout:g} s to send one frame"
+            )
 
     def recv_bytes(self, n: int) -> bytes:
         """Read exactly ``n`` bytes (frame metadata)."""
@@ -389,6 +407,8 @@ class FrameSocket:
                         f"data socket: connection closed after {got} of {n} payload bytes"
                     )
                 got += k
+                if self.frame_timeout is not None and got < n:
+                    self._check_frame_time()
         except KVStoreError:
             self.broken = True
             raise

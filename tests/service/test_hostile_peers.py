@@ -1,0 +1,118 @@
+"""Hostile peers on the data socket (issue 17, connections): a HELLO that claims a huge
+frame is refused before anything is allocated, a frame dribbled a byte at a time is cut
+off at the frame's deadline, and peers that never authenticate cannot take every slot."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore._proto import store_pb2 as pb
+from kvstore.server.dataserver import HELLO_MAX_META
+from kvstore.wire.frames import HEADER, MAGIC, PROTOCOL, FrameSocket, Op
+from tests.support.server_fixtures import ServerFactory
+from tests.support.server_process import ALPHA, ServerProcess
+
+pytestmark = pytest.mark.process
+
+
+def _raw(server: ServerProcess) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", server.data_port), timeout=10)
+
+
+def _error_then_close(sock: socket.socket) -> str:
+    """The server's ERROR message on ``sock``, which must then be closed."""
+    fs = FrameSocket(sock, max_meta=1 << 20)
+    fs.set_timeout(10)
+    op, meta_len, _ = fs.recv_header()
+    assert op == Op.ERROR
+    message = pb.Status.FromString(fs.recv_bytes(meta_len)).message
+    with pytest.raises(EOFError):
+        fs.recv_header()
+    fs.close()
+    return str(message)
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_a_hello_claiming_a_huge_frame_is_refused_before_allocation(
+    server_factory: ServerFactory,
+) -> None:
+    server = server_factory()
+    pid = server.proc.pid  # type: ignore[union-attr]
+    before = _rss_kib(pid)
+    socks = []
+    for _ in range(48):  # each claims 16 MiB of HELLO metadata, then waits
+        s = _raw(server)
+        s.sendall(HEADER.pack(MAGIC, Op.HELLO, 0, 16 << 20, 0))
+        socks.append(s)
+    messages = [_error_then_close(s) for s in socks]
+    assert all(f"limit of {HELLO_MAX_META}" in m for m in messages), messages[0]
+    grew = _rss_kib(pid) - before
+    print(f"server RSS grew {grew} KiB over 48 hostile HELLOs")  # reported with -s
+    assert grew < 16 * 1024, f"the server grew {grew} KiB: it allocated what was claimed"
+    with server.client(ALPHA) as c:  # and it still serves
+        assert c.put(b"h" * 16, np.arange(32, dtype=np.uint8))
+
+
+def test_a_frame_dribbled_a_byte_at_a_time_is_cut_off(server_factory: ServerFactory) -> None:
+    server = server_factory(io_timeout_s=1)
+    hello = pb.Hello(token=ALPHA.token, protocol=PROTOCOL).SerializeToString()
+    frame = HEADER.pack(MAGIC, Op.HELLO, 0, len(hello), 0) + hello
+    s = _raw(server)
+    t0 = time.monotonic()
+    closed_at = None
+    try:
+        for b in frame:  # 0.2 s a byte: each receive is quick, the frame never ends
+            s.sendall(bytes([b]))
+            time.sleep(0.2)
+    except OSError:  # the server closed the connection under us
+        closed_at = time.monotonic() - t0
+    if closed_at is None:
+        s.settimeout(5)
+        try:
+            data = s.recv(1 << 16)
+        except OSError:
+            data = b""
+        assert data == b"" or data[:4] == MAGIC  # an ERROR frame or plain EOF, no INFO
+        assert not data or HEADER.unpack_from(data)[1] == Op.ERROR
+        closed_at = time.monotonic() - t0
+    s.close()
+    assert len(frame) * 0.2 > 3.0  # the dribble alone would take this long
+    assert closed_at < 3.0, f"cut off only after {closed_at:.1f} s"
+
+
+def _wait_until(cond: Callable[[], bool], what: str, within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_unauthenticated_peers_cannot_take_every_slot(server_factory: ServerFactory) -> None:
+    server = server_factory(max_handshakes=3, io_timeout_s=2)
+    key = b"u" * 16
+    with server.client(ALPHA, transport="tcp") as c:
+        assert c.put(key, np.arange(16, dtype=np.uint8))
+        mute = [_raw(server) for _ in range(3)]  # connect, say nothing
+        _wait_until(lambda: c.stats()["server"]["handshakes"] == 3, "3 peers in HELLO")
+        assert "not yet authenticated" in _error_then_close(_raw(server))
+        # A client already in keeps working while the slots are held.
+        assert np.array_equal(c.get(key), np.arange(16, dtype=np.uint8))
+        for s in mute:  # each mute peer is dropped when its first frame times out
+            s.settimeout(10)
+            assert s.recv(1 << 16) == b""
+            s.close()
+        _wait_until(lambda: c.stats()["server"]["handshakes"] == 0, "the slots freed")
+    with server.client(ALPHA, transport="tcp") as fresh:  # new clients get in again
+        assert np.array_equal(fresh.get(key), np.arange(16, dtype=np.uint8))
