@@ -172,6 +172,8 @@ class ServerConfig:
         max_connections: concurrent data sockets.
         max_handshakes: data sockets at once that have not authenticated yet (a share of
             max_connections that unauthenticated peers can never exceed).
+        max_namespaces_per_tenant: distinct namespaces (model, layout) one tenant may
+            create on this node; past it, requests naming a new one are refused.
         etcd: ``host:port`` of the cluster directory; empty runs the node standalone.
         cluster: the cluster's name in the directory (1-64 of ``[A-Za-z0-9._-]``).
         node_lease_ttl_s: lifetime of the node's directory lease without a keepalive:
@@ -200,6 +202,7 @@ class ServerConfig:
     workers: int = 8
     max_connections: int = 256
     max_handshakes: int = 64
+    max_namespaces_per_tenant: int = 1024
     etcd: str = ""
     cluster: str = "default"
     node_lease_ttl_s: float = 10.0
@@ -239,7 +242,14 @@ class ServerConfig:
             if path and not os.path.isfile(path):
                 raise ConfigError(f"{name}: no such file {path!r}")
         _positive(self, "max_batch", "max_message_bytes", "workers")
-        _positive(self, "lease_ttl_s", "io_timeout_s", "max_connections", "max_handshakes")
+        _positive(
+            self,
+            "lease_ttl_s",
+            "io_timeout_s",
+            "max_connections",
+            "max_handshakes",
+            "max_namespaces_per_tenant",
+        )
         if not 0 <= self.data_poll_us <= 10_000:
             raise ConfigError(
                 f"data_poll_us: {self.data_poll_us} is not 0 (off) to 10000 microseconds"

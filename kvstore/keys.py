@@ -22,12 +22,24 @@ import numpy as np
 from kvstore.errors import ConfigError, InvalidKey
 from kvstore.layout import KVLayout
 
-__all__ = ["KEY_BYTES", "BlockKey", "Namespace", "as_key", "key_hex", "prefix_keys"]
+__all__ = [
+    "MAX_MODEL_NAME",
+    "KEY_BYTES",
+    "BlockKey",
+    "Namespace",
+    "as_key",
+    "key_hex",
+    "prefix_keys",
+]
 
 KEY_BYTES = 16
 BlockKey = NewType("BlockKey", bytes)
 
 _DOMAIN = b"kvstore/ns/v1\x00"
+
+MAX_MODEL_NAME = 256
+"""Longest model name a namespace takes, in UTF-8 bytes (each is kept by every node
+that sees it, in memory and beside its SSD tier)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +57,11 @@ class Namespace:
     def __post_init__(self) -> None:
         if not self.model or "\x00" in self.model:
             raise ConfigError("namespace model must be a non-empty string without NUL")
+        if len(self.model.encode()) > MAX_MODEL_NAME:
+            raise ConfigError(
+                f"namespace model name of {len(self.model.encode())} bytes: at most "
+                f"{MAX_MODEL_NAME} (a model id or a path, not a document)"
+            )
         if not self.tenant or "\x00" in self.tenant:
             raise ConfigError("namespace tenant must be a non-empty string without NUL")
         KVLayout.parse(self.layout)  # validate early, with a clear error

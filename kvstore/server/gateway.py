@@ -181,11 +181,12 @@ class Gateway:
                 ns = _FixedNamespace(model, layout, p.tenant)
             except ConfigError as exc:
                 raise InvalidValue(f"bad scope: {exc}") from None
+            limit = self.config.max_namespaces_per_tenant
+            self.names.add(ns.fingerprint(), p.tenant, model, limit=limit)  # no-op once known
             with self._ns_lock:
                 if len(self._ns) > 4096:
                     self._ns.clear()
                 self._ns[key] = ns
-            self.names.add(ns.fingerprint(), p.tenant, model)  # a no-op once known
         return ns
 
     # -- accounting (the service's counters, kvstore/observe/names.py) --------------------

@@ -37,7 +37,7 @@ import os
 import threading
 from pathlib import Path
 
-from kvstore.errors import InvalidValue, StorageError
+from kvstore.errors import InvalidValue, LimitExceeded, StorageError
 from kvstore.keys import KEY_BYTES
 
 __all__ = ["FILE_NAME", "MAX_PERSISTED", "NamespaceRegistry"]
@@ -99,11 +99,14 @@ class NamespaceRegistry:
 
     # -- writes --------------------------------------------------------------------------
 
-    def add(self, fingerprint: bytes, tenant: str, model: str) -> bool:
+    def add(self, fingerprint: bytes, tenant: str, model: str, *, limit: int = 0) -> bool:
         """Record a namespace; True when it was new (and, with a file, appended to it).
 
         A fingerprint keeps the names it was first recorded with: it is a hash of them,
-        so a second pair of names for it is an impossibility, not an update."""
+        so a second pair of names for it is an impossibility, not an update. With
+        ``limit``, a tenant that already has that many namespaces gets LimitExceeded for
+        a new one (namespaces known from earlier runs count): every tenant's share of the
+        registry, in memory and on disk, stays bounded."""
         fp = bytes(fingerprint)
         if len(fp) != KEY_BYTES:
             raise InvalidValue(f"a namespace fingerprint is {KEY_BYTES} bytes, got {len(fp)}")
@@ -112,6 +115,11 @@ class NamespaceRegistry:
         with self._lock:
             if fp in self._names:
                 return False
+            if limit and sum(1 for t, _ in self._names.values() if t == tenant) >= limit:
+                raise LimitExceeded(
+                    f"tenant {tenant!r} already has {limit} namespaces, the server's limit "
+                    "(max_namespaces_per_tenant)"
+                )
             self._names[fp] = (tenant, model)
         if self.path is not None:
             self._append(fp, (tenant, model))

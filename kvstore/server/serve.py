@@ -260,6 +260,7 @@ _SERVER_FLAGS = {
     "workers": "threads for blocking node calls",
     "max_connections": "concurrent data sockets (default 256)",
     "max_handshakes": "data sockets not yet authenticated, at once (default 64)",
+    "max_namespaces_per_tenant": "namespaces one tenant may create here (default 1024)",
     "etcd": "HOST:PORT of the cluster directory (default: standalone)",
     "cluster": "cluster name in the directory (default 'default')",
     "node_lease_ttl_s": "directory lease of this node, seconds (default 10)",

@@ -198,3 +198,57 @@ def test_gateway_records_scopes_and_an_import_carries_names(tmp_path: Path) -> N
         src.close()
         dst.close()
     assert len(lines(tmp_path / "a")) == 1
+
+
+# -- bounds (issue 17: a tenant cannot grow the registry without limit) -------------------
+
+
+def test_a_tenant_past_its_namespace_limit_is_refused_and_others_are_not(
+    tmp_path: Path,
+) -> None:
+    from kvstore.errors import LimitExceeded
+
+    registry = NamespaceRegistry(tmp_path / FILE_NAME)
+    layout = "float32:L2:H2:D8:B4"
+    for i in range(3):
+        ns = Namespace(f"m{i}", layout, "a")
+        assert registry.add(ns.fingerprint(), "a", f"m{i}", limit=3)
+    extra = Namespace("m3", layout, "a")
+    with pytest.raises(LimitExceeded, match="3 namespaces"):
+        registry.add(extra.fingerprint(), "a", "m3", limit=3)
+    assert not registry.add(Namespace("m1", layout, "a").fingerprint(), "a", "m1", limit=3)
+    assert registry.add(Namespace("m3", layout, "b").fingerprint(), "b", "m3", limit=3)
+    registry.close()
+    reopened = NamespaceRegistry(tmp_path / FILE_NAME)  # earlier runs' namespaces count
+    with pytest.raises(LimitExceeded):
+        reopened.add(extra.fingerprint(), "a", "m3", limit=3)
+    assert len(reopened) == 4
+    reopened.close()
+
+
+def test_the_gateway_refuses_a_new_namespace_past_the_limit_before_storing() -> None:
+    from kvstore.errors import LimitExceeded
+
+    config = ServerConfig(port=0, allow_anonymous=True, max_namespaces_per_tenant=2)
+    alpha, bravo = Principal("alpha"), Principal("bravo")
+    with StoreNode(NodeConfig(dram_bytes=1 << 20)) as node:
+        gw = Gateway(node, config)
+        layout = "float32:L2:H2:D8:B4"
+        assert gw.namespace(alpha, "m0", layout) is not None
+        assert gw.namespace(alpha, "m1", layout) is not None
+        with pytest.raises(LimitExceeded):
+            gw.namespace(alpha, "m2", layout)
+        assert gw.namespace(alpha, "m0", layout) is not None  # known ones still work
+        assert gw.namespace(bravo, "m2", layout) is not None  # another tenant's own share
+        assert len(gw.names) == 3
+
+
+def test_model_names_are_bounded() -> None:
+    from kvstore.errors import ConfigError
+    from kvstore.keys import MAX_MODEL_NAME
+
+    Namespace("m" * MAX_MODEL_NAME, "float32:L2:H2:D8")
+    with pytest.raises(ConfigError, match="at most 256"):
+        Namespace("m" * (MAX_MODEL_NAME + 1), "float32:L2:H2:D8")
+    with pytest.raises(ConfigError):
+        Namespace("é" * 200, "float32:L2:H2:D8")  # 400 bytes in UTF-8
