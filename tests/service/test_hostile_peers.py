@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,7 @@ from kvstore.server.dataserver import HELLO_MAX_META
 from kvstore.wire.frames import HEADER, MAGIC, PROTOCOL, FrameSocket, Op
 from tests.support.server_fixtures import ServerFactory
 from tests.support.server_process import ALPHA, ServerProcess
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.process
 
@@ -92,20 +92,13 @@ def test_a_frame_dribbled_a_byte_at_a_time_is_cut_off(server_factory: ServerFact
     assert closed_at < 3.0, f"cut off only after {closed_at:.1f} s"
 
 
-def _wait_until(cond: Callable[[], bool], what: str, within: float = 10.0) -> None:
-    deadline = time.monotonic() + within
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
 def test_unauthenticated_peers_cannot_take_every_slot(server_factory: ServerFactory) -> None:
     server = server_factory(max_handshakes=3, io_timeout_s=2)
     key = b"u" * 16
     with server.client(ALPHA, transport="tcp") as c:
         assert c.put(key, np.arange(16, dtype=np.uint8))
         mute = [_raw(server) for _ in range(3)]  # connect, say nothing
-        _wait_until(lambda: c.stats()["server"]["handshakes"] == 3, "3 peers in HELLO")
+        wait_until(lambda: c.stats()["server"]["handshakes"] == 3, "3 peers in HELLO")
         assert "not yet authenticated" in _error_then_close(_raw(server))
         # A client already in keeps working while the slots are held.
         assert np.array_equal(c.get(key), np.arange(16, dtype=np.uint8))
@@ -113,6 +106,6 @@ def test_unauthenticated_peers_cannot_take_every_slot(server_factory: ServerFact
             s.settimeout(10)
             assert s.recv(1 << 16) == b""
             s.close()
-        _wait_until(lambda: c.stats()["server"]["handshakes"] == 0, "the slots freed")
+        wait_until(lambda: c.stats()["server"]["handshakes"] == 0, "the slots freed")
     with server.client(ALPHA, transport="tcp") as fresh:  # new clients get in again
         assert np.array_equal(fresh.get(key), np.arange(16, dtype=np.uint8))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Callable
 from typing import TypeVar
 
 import grpc
@@ -24,6 +23,7 @@ from kvstore.errors import AuthError, KVStoreError, PermissionDenied, TransportE
 from kvstore.wire.auth import bearer_metadata
 from kvstore.wire.frames import PROTOCOL, FrameSocket, Op
 from tests.support.server_process import ADMIN, ALPHA, BRAVO, ServerProcess, make_tls_cert
+from tests.support.waiting import wait_until
 
 NS = Namespace("llama-3-8b", "bf16:L2:H2:D8")
 ALL_RPCS = [
@@ -148,7 +148,7 @@ def test_a_tenant_cannot_end_another_tenants_lease(store_server: ServerProcess) 
         call(conn, Op.EXISTS, pb.KeysRequest(keys=[key]), pb.ExistsResponse)
 
     try:
-        _wait_for(lambda: leases() == 0, "the module's earlier leases to end")
+        wait_until(lambda: leases() == 0, "the module's earlier leases to end")
         # A write lease: bravo can neither commit nor abort it; alpha commits it.
         meta = pb.ValueMeta(dtype="uint8", shape=[64], kind=0, nbytes=64)
         reserve = pb.PutRequest(items=[pb.PutItem(key=key, meta=meta)])
@@ -186,14 +186,6 @@ def test_a_tenant_cannot_end_another_tenants_lease(store_server: ServerProcess) 
         observer.close()
         alpha.close()
         bravo.close()
-
-
-def _wait_for(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def test_admin_operations_need_an_admin_token(store_server: ServerProcess) -> None:

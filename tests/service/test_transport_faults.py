@@ -16,7 +16,6 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -31,6 +30,7 @@ from kvstore.errors import KVStoreError
 from kvstore.observe.counters import NodeCounters
 from kvstore.wire.frames import HEADER, MAGIC, PROTOCOL, REPLY, FrameSocket, Op
 from tests.support.server_process import ALPHA, ServerProcess
+from tests.support.waiting import wait_until
 
 MiB = 1 << 20
 
@@ -55,14 +55,6 @@ def _expect_error_then_close(fs: FrameSocket, match: str) -> None:
     with pytest.raises(EOFError):
         fs.recv_header()
     fs.close()
-
-
-def _wait_for(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def _dram_used(server: ServerProcess) -> int:
@@ -126,14 +118,14 @@ def test_cut_off_put_is_aborted_and_its_space_reclaimed(server_factory, how: str
     fs.sock.sendall(HEADER.pack(MAGIC, Op.PUT, 0, len(meta), 4 * MiB) + meta)
     fs.sock.sendall(os.urandom(MiB))  # a quarter of the payload
     with server.client(ALPHA) as c:
-        _wait_for(lambda: c.stats()["tiers"]["dram"]["used"] > baseline, "the reservation")
+        wait_until(lambda: c.stats()["tiers"]["dram"]["used"] > baseline, "the reservation")
         if how == "disconnect":
             fs.close()
         else:  # the server gives up after io_timeout_s and hangs up
             with pytest.raises(EOFError):
                 fs.recv_header()
             fs.close()
-        _wait_for(lambda: c.stats()["tiers"]["dram"]["used"] == baseline, "space reclaimed")
+        wait_until(lambda: c.stats()["tiers"]["dram"]["used"] == baseline, "space reclaimed")
         assert c.exists([key]) == [False]
         assert c.get(key) is None
         assert c.stats()["server"]["connections"] == 1  # only this client's
@@ -158,7 +150,7 @@ def test_shm_writer_that_vanishes_before_commit(store_server: ServerProcess) -> 
     seg.close()
     fs.close()
     with store_server.client(ALPHA) as c:
-        _wait_for(lambda: c.stats()["tiers"]["dram"]["used"] == baseline, "reservation aborted")
+        wait_until(lambda: c.stats()["tiers"]["dram"]["used"] == baseline, "reservation aborted")
         assert c.exists([key]) == [False]
 
 
@@ -196,7 +188,7 @@ def test_same_host_write_and_read_by_hand(store_server: ServerProcess) -> None:
         def leases() -> int:
             return int(c.stats()["server"]["leases"])
 
-        _wait_for(lambda: leases() == 0, "the module's earlier leases to end")
+        wait_until(lambda: leases() == 0, "the module's earlier leases to end")
         baseline = _dram_used(store_server)
         conn = _data_conn(store_server)
         seg = Segment(conn.info.shm_name, conn.info.shm_size)
@@ -260,7 +252,7 @@ def test_reader_whose_lease_expired_gets_a_miss(server_factory, guard: str) -> N
         ref = resp.blocks[0]
         assert ref.lease_id and ref.offset >= 0
         # The reader stalls past its lease; the reaper unpins, and the extent is reused.
-        _wait_for(lambda: c.stats()["server"]["leases_expired"] >= 1, "the lease to expire")
+        wait_until(lambda: c.stats()["server"]["leases_expired"] >= 1, "the lease to expire")
         assert c.remove([key]) == 1
         assert c.put(other, np.full(MiB, 2, dtype=np.uint8))
         again, _ = conn.call(
