@@ -114,9 +114,7 @@ def known_layouts(block_tokens: int, head_dim: int, itemsize: int) -> list[PageL
         index = torch.cat([key.positions(), value.positions() + B * D])
         out.append(PageLayout(name, index, key, value))
 
-    token_major = TileOrder((B, D), (0, 1))
-    add("vec", TileOrder((D, B), (1, 0)), token_major)  # vec and vec16
-    add("token-major", token_major, token_major)
+    add("vec", TileOrder((D, B), (1, 0)), TileOrder((B, D), (0, 1)))  # vec and vec16
     p = 4 // itemsize if itemsize in (1, 2, 4) else 0
     if p and B % _AMX_GROUP == 0 and B % p == 0 and D % p == 0 and D % _AMX_GROUP == 0:
         g = _AMX_GROUP

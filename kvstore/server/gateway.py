@@ -311,13 +311,7 @@ class Gateway:
 
     def release_reads(self, p: Principal, lease_ids: Sequence[int]) -> tuple[int, int]:
         """End read leases; returns (released, expired or unknown)."""
-        released = 0
-        for lid in lease_ids:
-            lease = self.leases.take(lid, p.tenant, LeaseKind.READ)
-            if lease is not None:
-                self.node.close_read(lease.obj)
-                released += 1
-        return released, len(lease_ids) - released
+        return self._end_leases(p, lease_ids, LeaseKind.READ, self.node.close_read)
 
     # -- writes ------------------------------------------------------------------------
 
@@ -409,11 +403,17 @@ class Gateway:
 
     def abort_leased(self, p: Principal, lease_ids: Sequence[int]) -> tuple[int, int]:
         """Abort same-host writes; returns (aborted, expired or unknown)."""
+        return self._end_leases(p, lease_ids, LeaseKind.WRITE, self.node.abort)
+
+    def _end_leases(
+        self, p: Principal, lease_ids: Sequence[int], kind: LeaseKind, end: Callable[[Any], Any]
+    ) -> tuple[int, int]:
+        """End the caller's own leases of ``kind`` with ``end``; (ended, expired or unknown)."""
         n = 0
         for lid in lease_ids:
-            lease = self.leases.take(lid, p.tenant, LeaseKind.WRITE)
+            lease = self.leases.take(lid, p.tenant, kind)
             if lease is not None:
-                self.node.abort(lease.obj)
+                end(lease.obj)
                 n += 1
         return n, len(lease_ids) - n
 

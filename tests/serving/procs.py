@@ -7,11 +7,8 @@ load the tiny random-weight model, so a whole cluster starts in seconds.
 
 from __future__ import annotations
 
-import json
 import os
-import select
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,6 +16,7 @@ from typing import Any
 
 import httpx
 
+from kvstore.cli import children
 from tests.support.server_process import ALPHA, ServerProcess, base_flags
 
 __all__ = ["Child", "ServingCluster"]
@@ -26,45 +24,18 @@ __all__ = ["Child", "ServingCluster"]
 READY_S = 90.0
 
 
-class Child:
-    """One child process and the facts of its ready line."""
-
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], log: Path) -> None:
-        self.name, self.log = name, log
-        with open(log, "ab") as fh:
-            self.proc = subprocess.Popen(
-                argv, stdout=subprocess.PIPE, stderr=fh, env=env, text=True, cwd=os.getcwd()
-            )
-        self.facts: dict[str, Any] = {}
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def wait_ready(self, deadline: float) -> Child:
-        assert self.proc.stdout is not None
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([self.proc.stdout], [], [], 0.1)
-            if ready:
-                line = self.proc.stdout.readline()
-                if line.startswith("{"):
-                    self.facts = json.loads(line)
-                    return self
-            if self.proc.poll() is not None:
-                break
-        self.stop(signal.SIGKILL)
-        raise RuntimeError(f"{self.name} did not start; its log:\n{self.log.read_text()[-4000:]}")
+class Child(children.Child):
+    """One child process (kvstore/cli/children.py), stoppable with any signal."""
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+        children.stop_group([self], timeout)
+
+
+def _start(name: str, argv: list[str], env: dict[str, str], log: Path) -> Child:
+    c = children.spawn(name, argv, log=log, env=env)
+    return Child(c.name, c.proc, c.log)
 
 
 class ServingCluster:
@@ -94,20 +65,19 @@ class ServingCluster:
                     "--etcd", self.etcd, "--cluster", self.cluster, "--worker-id", s["id"],
                     "--store-node", s.get("node", ""), "--model", s.get("model", "tiny"),
                     "--lease-ttl-s", "3", *s.get("flags", [])]  # fmt: skip
-            child = Child(s["id"], argv, self.env, self.root / f"{s['id']}.log")
+            child = _start(s["id"], argv, self.env, self.root / f"{s['id']}.log")
             self.workers[s["id"]] = child
             started.append(child)
-        deadline = time.monotonic() + READY_S
-        for c in started:
-            c.wait_ready(deadline)
+        children.wait_ready(started, time.monotonic() + READY_S)
 
     def add_router(self, *flags: str, expect_workers: int | None = None) -> str:
         argv = [sys.executable, "-m", "engine.serving.router", "--etcd", self.etcd,
                 "--cluster", self.cluster, "--port", "0", *flags]  # fmt: skip
         n = len(self.routers)
-        child = Child(f"router{n}", argv, self.env, self.root / f"router{n}.log")
+        child = _start(f"router{n}", argv, self.env, self.root / f"router{n}.log")
         self.routers.append(child)
-        url = str(child.wait_ready(time.monotonic() + READY_S).facts["url"])
+        children.wait_ready([child], time.monotonic() + READY_S)
+        url = str(child.facts["url"])
         want = len(self.workers) if expect_workers is None else expect_workers
         deadline = time.monotonic() + 15.0
         while time.monotonic() < deadline:  # the router's watch has every worker
