@@ -16,7 +16,10 @@ Readers keep a :class:`Mirror` fed by one watch (:class:`_WatchFeed`): a paged r
 at revision R, then a watch from R+1. A dropped stream (etcd restart, network) is
 resumed from the last applied revision when etcd still has that history and is the
 same cluster; a compaction past it (reported by the watch) or a different cluster id
-forces a full re-list, swapped in atomically.
+forces a full re-list, swapped in atomically. A guard beside the watch re-lists when
+etcd compacted past the mirror without the watch saying so: etcd 3.4 (Debian's
+3.4.23 among them) can leave a slow watcher that a compaction passes neither fed nor
+cancelled (etcd-io/etcd#17529), and a mirror must not sit on a wedged stream.
 
 aetcd and grpc errors are translated into kvstore.errors here and nowhere else.
 """
@@ -171,7 +174,9 @@ class EtcdDirectory(LeasedDirectory):
     """:class:`Directory` on etcd. ``endpoint`` is ``host:port`` of one etcd member.
 
     ``timeout`` bounds every unary call; ``max_inflight`` is how many write
-    transactions one flush keeps in flight; ``page`` is the re-list page size.
+    transactions one flush keeps in flight; ``page`` is the re-list page size;
+    ``watch_check_s`` is how often the mirror's guard asks etcd whether history was
+    compacted past the mirror (one single-key count per check).
     """
 
     def __init__(
@@ -182,6 +187,7 @@ class EtcdDirectory(LeasedDirectory):
         timeout: float = 5.0,
         max_inflight: int = 4,
         page: int = 10_000,
+        watch_check_s: float = 2.0,
     ) -> None:
         super().__init__(cluster)
         host, sep, port = endpoint.rpartition(":")
@@ -189,6 +195,9 @@ class EtcdDirectory(LeasedDirectory):
             raise ConfigError(f"etcd endpoint {endpoint!r}: expected host:port")
         if max_inflight < 1 or page < 1:
             raise ConfigError("max_inflight and page must be >= 1")
+        if not watch_check_s > 0:
+            raise ConfigError("watch_check_s must be > 0")
+        self._watch_check_s = watch_check_s
         self.endpoint = endpoint
         self._host, self._port = host, int(port)
         self._timeout = timeout
@@ -353,7 +362,9 @@ class EtcdDirectory(LeasedDirectory):
         self._check_open()
         if self._feed is None:
             assert self._client is not None
-            self._feed = _WatchFeed(self._client, self._prefix, self._range, self._page)
+            self._feed = _WatchFeed(
+                self._client, self._prefix, self._range, self._page, self._watch_check_s
+            )
             self._feed.start()
         await self._feed.ready(self._timeout)
         return self._feed.mirror
@@ -378,13 +389,16 @@ RangeFn = Callable[..., Awaitable[rpc.RangeResponse]]
 class _WatchFeed:
     """One watch over a cluster prefix, feeding one Mirror.
 
-    Concurrency contract: everything here runs in one task on the directory's loop
-    and it is the mirror's only writer. ``_rev`` is the last revision whose events
-    are all applied; ``_leases`` maps node id -> the lease of its live record, used to
-    refuse block entries written under any other lease (a stale epoch).
+    Concurrency contract: everything here runs on the directory's loop. The feed task
+    (``_run`` and the stream reader it starts) is the mirror's only writer; the guard
+    task only reads ``_rev``. ``_rev`` is the last revision whose events are all
+    applied; ``_leases`` maps node id -> the lease of its live record, used to refuse
+    block entries written under any other lease (a stale epoch).
     """
 
-    def __init__(self, client: aetcd.Client, prefix: bytes, range_fn: RangeFn, page: int) -> None:
+    def __init__(
+        self, client: aetcd.Client, prefix: bytes, range_fn: RangeFn, page: int, check_s: float
+    ) -> None:
         self.mirror = Mirror()
         self._client = client
         self._prefix = prefix
@@ -392,6 +406,8 @@ class _WatchFeed:
         self._nodes = prefix + b"nodes/"
         self._range = range_fn
         self._page = page
+        self._check_s = check_s
+        self._probe = prefix + b"watch-probe"  # never written: a count over it is one lookup
         self._rev = 0
         self._cluster_id = 0
         self._leases: dict[str, int] = {}
@@ -399,6 +415,7 @@ class _WatchFeed:
         self._synced = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.resumes = 0
+        self.stalls = 0
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="kvstore-directory-watch")
@@ -489,6 +506,7 @@ class _WatchFeed:
             start = resp.kvs[-1].key + b"\0"
 
     async def _watch(self) -> None:
+        """Follow the prefix from ``_rev + 1`` until the stream ends, fails or stalls."""
         create = rpc.WatchCreateRequest(
             key=self._prefix,
             range_end=_range_end(self._prefix),
@@ -502,22 +520,54 @@ class _WatchFeed:
             await stop.wait()
 
         call = rpc.WatchStub(self._client.channel).Watch(requests())
+        reader = asyncio.create_task(self._read(call), name="kvstore-directory-watch-read")
+        guard = asyncio.create_task(self._guard(), name="kvstore-directory-watch-guard")
         try:
-            with _etcd_errors("watch"):
-                async for resp in call:
-                    if resp.compact_revision:
-                        raise _Compacted(f"compacted at {resp.compact_revision}")
-                    if resp.canceled:
-                        raise DirectoryError(f"watch canceled: {resp.cancel_reason}")
-                    if resp.events:
-                        self._apply(resp.events)
-                    elif not resp.created:
-                        self._rev = max(self._rev, int(resp.header.revision))
-                        self.mirror.advance(self._rev)
-            raise Unavailable("etcd closed the watch stream")
+            done, _ = await asyncio.wait((reader, guard), return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()  # both only ever end by raising
         finally:
             stop.set()
             call.cancel()
+            for task in (reader, guard):
+                task.cancel()
+            await asyncio.gather(reader, guard, return_exceptions=True)
+
+    async def _read(self, call: AsyncIterator[rpc.WatchResponse]) -> None:
+        with _etcd_errors("watch"):
+            async for resp in call:
+                if resp.compact_revision:
+                    raise _Compacted(f"compacted at {resp.compact_revision}")
+                if resp.canceled:
+                    raise DirectoryError(f"watch canceled: {resp.cancel_reason}")
+                if resp.events:
+                    self._apply(resp.events)
+                elif not resp.created:
+                    self._rev = max(self._rev, int(resp.header.revision))
+                    self.mirror.advance(self._rev)
+        raise Unavailable("etcd closed the watch stream")
+
+    async def _guard(self) -> None:
+        """Raise _Compacted when etcd compacted past ``_rev`` and, one check later, the
+        watch has still neither moved nor reported it (a wedged watcher).
+
+        Why not a progress request: etcd 3.4 answers one with the store's revision even
+        while the watcher still owes events, which would advance the mirror past them.
+        A quiet mirror that a compaction passes re-lists once; nothing is lost.
+        """
+        suspect = -1
+        while True:
+            await asyncio.sleep(self._check_s)
+            rev = self._rev
+            try:
+                await self._range(self._probe, revision=rev, count_only=True)
+            except _Compacted:
+                if rev == suspect:
+                    self.stalls += 1
+                    raise _Compacted(f"etcd compacted past {rev}; the watch never said") from None
+                suspect = rev
+            else:
+                suspect = -1
 
     def _apply(self, events: list[rpc.Event]) -> None:
         ops: list[Op] = []
