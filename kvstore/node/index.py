@@ -18,6 +18,17 @@ never a victim. A place a pinned reader may still use is not released when its e
 moves or goes: it joins ``Entry.stale`` and is released at the last unpin, so readers
 never see freed or reused bytes. Lock order: this lock, then a tier's own (the SSD
 tier's index lock); a tier never calls back into the index.
+
+Waiting for room. A writer that finds a tier full and every block in it pinned or
+MOVING does not fail while demotions out of that tier are in flight (``_demoting``):
+it waits on ``_room`` (a Condition over ``_lock``, notified as each demotion ends) for
+up to ``ROOM_WAIT_S``, then looks again. Only a tier with nothing on its way out is
+reported full (CapacityError, retryable).
+
+Kept copies. Promoting an SSD block to the top tier keeps its SSD record (``Entry.kept``
+and ``_kept``, oldest promotion first): a restart then still finds it, and demoting it
+again costs no write. A kept copy is space the SSD gives up first: a claim on the SSD
+drops kept copies (of blocks no reader holds) before it evicts a block.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ import itertools
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -41,9 +53,11 @@ from kvstore.tiering import TierKind
 from kvstore.tiers.base import NO_PLACE, Tier
 from kvstore.tiers.policy import EvictionPolicy, make_policy
 
-__all__ = ["BlockIndex", "Entry"]
+__all__ = ["ROOM_WAIT_S", "BlockIndex", "Entry"]
 
 log = logging.getLogger(__name__)
+
+ROOM_WAIT_S = 2.0  # how long a claim waits for demotions in flight before CapacityError
 
 
 class _State(IntEnum):
@@ -67,6 +81,7 @@ class Entry:
     gone: bool = False  # removed from the index while pinned or moving
     stale: list[tuple[int, int]] = field(default_factory=list)  # (level, place) to release
     used_at: float = 0.0  # time.monotonic() of the last store or hit (admin --older-than)
+    kept: tuple[int, int] | None = None  # (level, place) of a clean copy in a lower tier
 
 
 @dataclass(slots=True)
@@ -89,8 +104,11 @@ class BlockIndex:
         self._events = events
         self._counters = counters
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)  # notified when a demotion ends
         self._entries: dict[Hashable, Entry] = {}
         self._policies: list[EvictionPolicy] = []
+        self._demoting: list[int] = []  # per level: demotions out of it in flight
+        self._kept: list[OrderedDict[bytes, Entry]] = []  # per level: kept copies there
         self._published: IndexWriter | None = None
 
     # -- opening and closing ---------------------------------------------------------------
@@ -100,6 +118,8 @@ class BlockIndex:
         it already holds (a persistent tier after a restart)."""
         with self._lock:
             self._policies.append(make_policy(self._policy, tier.capacity))
+            self._demoting.append(0)
+            self._kept.append(OrderedDict())
             level = len(self._policies) - 1
         now = time.monotonic()
         for key, header in tier.stored():  # tier I/O: outside the lock
@@ -245,11 +265,14 @@ class BlockIndex:
 
     def claim(self, level: int, size: int, unless_stored: bytes | None = None) -> Room:
         """Room for ``size`` bytes in tier ``level``: a place when the tier has it now,
-        else a victim to demote (the last tier's victims are dropped here, until a place
-        is found). With ``unless_stored``, an empty Room when that key is stored.
-        CapacityError when every block in the way is pinned or moving."""
+        else a victim to demote (the last tier's kept copies, then its victims, are
+        dropped here, until a place is found). With ``unless_stored``, an empty Room
+        when that key is stored. A full tier with demotions out of it in flight is
+        waited on (up to ROOM_WAIT_S); CapacityError when every block in the way is
+        pinned or moving and nothing is on its way out."""
         tier = self._tiers[level]
         last = level + 1 == len(self._tiers)
+        wait_until: float | None = None
         with self._lock:
             if unless_stored is not None and unless_stored in self._entries:
                 return Room()
@@ -257,18 +280,37 @@ class BlockIndex:
                 place = tier.allocate(size)
                 if place is not None:
                     return Room(place=place)
+                if self._drop_kept_locked(level):
+                    continue
                 victim_key = self._policies[level].pop_victim(self._busy)
                 if victim_key is None:
-                    raise CapacityError(
-                        f"{tier.kind.value} tier is full and every block in it is pinned"
-                    )
+                    wait_until = self._wait_for_room_locked(level, wait_until)
+                    if unless_stored is not None and unless_stored in self._entries:
+                        return Room()
+                    continue
                 victim = self._entries[victim_key]
+                if victim.kept is not None:
+                    self._settle_on_kept_locked(victim)  # its copy below is current
+                    continue
                 if not last:
                     victim.state = _State.MOVING
                     victim.pins += 1
+                    self._demoting[level] += 1
                     return Room(victim=victim)
                 self._counters.inc(f"evictions_{tier.kind.value}")  # it leaves the node
                 self._drop_locked(victim)
+
+    def _wait_for_room_locked(self, level: int, wait_until: float | None) -> float:
+        """Wait for a demotion out of ``level`` to end; CapacityError when none is in
+        flight or the wait ran out. Returns the wait's end (the same for every round)."""
+        now = time.monotonic()
+        wait_until = now + ROOM_WAIT_S if wait_until is None else wait_until
+        if not self._demoting[level] or now >= wait_until:
+            kind = self._tiers[level].kind.value
+            raise CapacityError(f"{kind} tier is full and every block in it is pinned")
+        self._counters.inc("room_waits")
+        self._room.wait(wait_until - now)
+        return wait_until
 
     def _busy(self, key: Hashable) -> bool:
         e = self._entries.get(key)
@@ -318,6 +360,11 @@ class BlockIndex:
         with self._lock:
             e.state = _State.READY
             e.pins -= 1
+            self._demoting[e.level] -= 1
+            self._room.notify_all()
+            if place is not None and e.kept is not None and e.kept[0] == dst_level:
+                self._kept[dst_level].pop(e.key, None)  # rewritten there: it is the copy
+                e.kept = None
             if place is None or e.gone:
                 if not e.gone:
                     self._counters.inc(f"evictions_{src.kind.value}")
@@ -357,19 +404,62 @@ class BlockIndex:
             if e.gone:
                 return False
             self._policies[e.level].remove(e.key)
-            self._move_locked(e, 0, place)
+            self._move_locked(e, 0, place, keep=e.place == NO_PLACE)
             self._counters.inc("promotions")
             self._counters.inc("bytes_promoted", e.size)
         return True
 
-    def _move_locked(self, e: Entry, level: int, place: int) -> None:
+    def _move_locked(self, e: Entry, level: int, place: int, *, keep: bool = False) -> None:
+        """Point ``e`` at ``place`` in tier ``level``; the old place is released (at the
+        last unpin), or with ``keep`` (a key-addressed tier: SSD) stays as its copy."""
         src = self._tiers[e.level]  # its policy let go of it already
         self._unpublish_locked(e)
-        e.stale.append((e.level, e.place))
+        if keep:
+            e.kept = (e.level, e.place)
+            self._kept[e.level][e.key] = e
+        else:
+            e.stale.append((e.level, e.place))
         e.level, e.place = level, place
         self._publish_locked(e)
         self._policies[level].insert(e.key, e.size)
         self._events.put(BlockMoved(e.key, src.kind, self._tiers[level].kind))
+
+    def _settle_on_kept_locked(self, e: Entry) -> None:
+        """Demote a victim (popped from its policy, unpinned) by pointing it at its kept
+        copy: no bytes move."""
+        assert e.kept is not None
+        level, place = e.kept
+        src = self._tiers[e.level].kind.value
+        self._kept[level].pop(e.key, None)
+        e.kept = None
+        self._move_locked(e, level, place)
+        self._counters.inc(f"demotions_{src}")
+        self._counters.inc("demotions_to_kept")
+        if e.pins == 0:
+            self._release_stale_locked(e)
+
+    def _drop_kept_locked(self, level: int) -> bool:
+        """Give up the oldest kept copy in tier ``level`` that no reader may be using;
+        False when there is none."""
+        kept = self._kept[level]
+        for key, e in kept.items():
+            if e.pins == 0 and e.state is _State.READY:
+                del kept[key]
+                assert e.kept is not None
+                self._tiers[level].release(key, e.kept[1])
+                e.kept = None
+                self._counters.inc("kept_copies_dropped")
+                return True
+        return False
+
+    def drop_kept(self, level: int, target: int) -> int:
+        """Give up kept copies in tier ``level`` until it uses at most ``target`` bytes
+        (an admin eviction, before it evicts blocks); returns how many went."""
+        n = 0
+        with self._lock:
+            while self._tiers[level].used > target and self._drop_kept_locked(level):
+                n += 1
+        return n
 
     def plan_eviction(
         self, level: int, target: int, flt: BlockFilter, skipped: set[bytes]
@@ -399,9 +489,10 @@ class BlockIndex:
     def take_for_eviction(
         self, level: int, key: bytes, target: int, res: EvictResult, skipped: set[bytes]
     ) -> Entry | bool:
-        """One planned block: dropped here from the last tier (True), or returned MOVING
-        and pinned for the caller to demote; False when the target is met or the block
-        moved, went, or is pinned now."""
+        """One planned block: dropped here from the last tier or settled on its kept
+        copy below (True, counted in ``res``), or returned MOVING and pinned for the
+        caller to demote; False when the target is met or the block moved, went, or is
+        pinned now."""
         tier = self._tiers[level]
         with self._lock:
             if tier.used <= target:
@@ -417,8 +508,14 @@ class BlockIndex:
             if not res.next_tier:
                 self._counters.inc(f"evictions_{tier.kind.value}")
                 self._drop_locked(e)
+                res.dropped += 1
+                return True
+            if e.kept is not None:
+                self._settle_on_kept_locked(e)
+                res.demoted += 1
                 return True
             e.state, e.pins = _State.MOVING, e.pins + 1
+            self._demoting[level] += 1
             return e
 
     # -- under the lock -----------------------------------------------------------------------
@@ -435,6 +532,10 @@ class BlockIndex:
         self._policies[e.level].remove(e.key)
         self._events.put(BlockRemoved(e.key, self._tiers[e.level].kind))
         e.stale.append((e.level, e.place))
+        if e.kept is not None:  # its copy below goes too
+            self._kept[e.kept[0]].pop(e.key, None)
+            e.stale.append(e.kept)
+            e.kept = None
         if e.pins == 0:
             self._release_stale_locked(e)
 

@@ -1,10 +1,12 @@
 """TierMover: the bytes of blocks moving between one node's tiers.
 
-A full tier makes room by demoting its policy's victim one tier down (HBM -> DRAM ->
-SSD); the last tier drops it. An SSD hit is promoted back to the top tier. Admin
-evictions demote or drop what a filter selects. A block lives in exactly one tier at
-a time. The mover asks the index (index.py) for every decision and copies bytes only
-between its calls, never under the index's lock: see the contract there.
+A full tier makes room by demoting its policy's victim one tier down (HBM -> DRAM -> SSD); the last tier drops
+it. An SSD hit is promoted back to the top tier, and its SSD record stays as a kept copy
+(so a restart still has it, and demoting it again writes nothing) until the SSD needs
+the room (kvstore/node/index.py). Admin evictions demote or drop what a filter selects.
+A block is read from exactly one tier. The mover asks the index (index.py) for every
+decision and copies bytes only between its calls, never under the index's lock: see the
+contract there.
 """
 
 from __future__ import annotations
@@ -141,6 +143,8 @@ class TierMover:
         res.dry_run = dry_run
         res.next_tier = self._tiers[level + 1].kind.value if demotes else ""
         skipped: set[bytes] = set()
+        if not demotes and not dry_run:  # copies of promoted blocks go before blocks
+            self._index.drop_kept(level, target_bytes)
         for _round in range(64):
             plan, projected = self._index.plan_eviction(level, target_bytes, flt, skipped)
             res.blocks.extend(plan[: max(list_limit - len(res.blocks), 0)])
@@ -160,11 +164,8 @@ class TierMover:
         self, level: int, key: bytes, target: int, res: EvictResult, skipped: set[bytes]
     ) -> bool:
         taken = self._index.take_for_eviction(level, key, target, res, skipped)
-        if taken is True:
-            res.dropped += 1
-            return True
-        if taken is False:
-            return False
+        if isinstance(taken, bool):  # dropped or settled (counted), or nothing done
+            return taken
         self._demote(taken, level)
         res.demoted += 1
         return True
