@@ -1,12 +1,12 @@
 """TierMover: the bytes of blocks moving between one node's tiers.
 
-A full tier makes room by demoting its policy's victim one tier down (HBM -> DRAM -> SSD); the last tier drops
-it. An SSD hit is promoted back to the top tier, and its SSD record stays as a kept copy
-(so a restart still has it, and demoting it again writes nothing) until the SSD needs
-the room (kvstore/node/index.py). Admin evictions demote or drop what a filter selects.
-A block is read from exactly one tier. The mover asks the index (index.py) for every
-decision and copies bytes only between its calls, never under the index's lock: see the
-contract there.
+A full tier makes room by demoting its policy's victim one tier down (HBM -> DRAM ->
+SSD); the last tier drops it. An SSD hit is promoted back to the top tier, and its SSD
+record stays as a kept copy (so a restart still has it, and demoting it again writes
+nothing) until the SSD needs the room (kvstore/node/index.py). Admin evictions demote
+or drop what a filter selects. A block is read from exactly one tier. The mover asks
+the index (index.py) for every decision and copies bytes only between its calls, never
+under the index's lock: see the contract there.
 """
 
 from __future__ import annotations
