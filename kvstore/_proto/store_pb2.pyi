@@ -50,7 +50,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("version", "node_id", "tenant", "admin", "host_id", "hostname", "data_port", "shm_name", "shm_size", "lease_ttl_ms", "limits", "tiers", "instance_id", "draining", "unix_socket", "shm_index", "pid")
+    __slots__ = ("version", "node_id", "tenant", "admin", "host_id", "hostname", "data_port", "shm_name", "shm_size", "lease_ttl_ms", "limits", "tiers", "instance_id", "draining", "unix_socket", "shm_index", "pid", "scope_key")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class InfoResponse(_message.Message):
     UNIX_SOCKET_FIELD_NUMBER: _ClassVar[int]
     SHM_INDEX_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_KEY_FIELD_NUMBER: _ClassVar[int]
     version: str
     node_id: str
     tenant: str
@@ -85,7 +86,8 @@ class InfoResponse(_message.Message):
     unix_socket: str
     shm_index: str
     pid: int
-    def __init__(self, version: _Optional[str] = ..., node_id: _Optional[str] = ..., tenant: _Optional[str] = ..., admin: _Optional[bool] = ..., host_id: _Optional[str] = ..., hostname: _Optional[str] = ..., data_port: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_size: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., tiers: _Optional[_Iterable[str]] = ..., instance_id: _Optional[str] = ..., draining: _Optional[bool] = ..., unix_socket: _Optional[str] = ..., shm_index: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+    scope_key: bytes
+    def __init__(self, version: _Optional[str] = ..., node_id: _Optional[str] = ..., tenant: _Optional[str] = ..., admin: _Optional[bool] = ..., host_id: _Optional[str] = ..., hostname: _Optional[str] = ..., data_port: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_size: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., tiers: _Optional[_Iterable[str]] = ..., instance_id: _Optional[str] = ..., draining: _Optional[bool] = ..., unix_socket: _Optional[str] = ..., shm_index: _Optional[str] = ..., pid: _Optional[int] = ..., scope_key: _Optional[bytes] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

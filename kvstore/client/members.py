@@ -15,11 +15,13 @@ asking right now:
   hashing of this process's identity, so clients spread but each stays put;
 - a node whose record says ``draining`` (``kvstore drain``) is never chosen for
   writes, the ``node_id`` asked for included; it is still read from, until empty;
-- the tenant scope of directory keys is learned from the first node that opens.
+- the tenant scope of directory keys (tenant and scope key, kvstore/tenants.py) is
+  learned from the first node that opens, and every other node must agree.
 """
 
 from __future__ import annotations
 
+import base64
 import functools
 import hashlib
 import logging
@@ -52,6 +54,14 @@ log = logging.getLogger(__name__)
 SUSPECT_S = 1.0
 NODE_FAILURES = (Unavailable, TransportError, TimeoutError_, ClosedError)
 """Errors that say "this node, now" rather than "this request": try another node."""
+
+
+def _principal_of(client: NodeClient) -> Principal:
+    """The tenant and scope key a node's INFO reply gave this client's token (the admin
+    flag is left out: only the scoping is compared between nodes)."""
+    info = client.server_info
+    key = base64.b64decode(info.get("scope_key", ""))  # MessageToDict writes bytes as base64
+    return Principal(str(info.get("tenant", "")), scope_key=key)
 
 
 class MemberClient(NodeClient):
@@ -223,15 +233,16 @@ class Members:
             info.address, namespace=self.namespace, config=self._config, connector=self.connector
         )
         client.open()
-        tenant = str(client.server_info.get("tenant", ""))
+        seen = _principal_of(client)
         with self._lock:
             if self._principal is None:
-                self._principal = Principal(tenant)
-            elif self._principal.tenant != tenant:
+                self._principal = seen
+            elif self._principal != seen:
                 client.close()
                 raise ConfigError(
-                    f"this token is tenant {self._principal.tenant!r} on one node but "
-                    f"{tenant!r} on {info.node_id!r}: nodes must share one tokens file"
+                    f"this token scopes keys as {self._principal} on one node but as {seen} "
+                    f"on {info.node_id!r} (tenant or scope secret differ): nodes must share "
+                    "one tokens file"
                 )
         return client
 

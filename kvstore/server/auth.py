@@ -2,10 +2,16 @@
 scopes each tenant's keys).
 
 The tenant is never taken from a request. A token maps to a :class:`Principal`
-(tenant + admin flag) from the server's tokens file, and every key a request names is
-rewritten to ``BLAKE2b-128(key=tenant, person="kvstore/tenant", data=key)`` before it
-reaches the node. Two tenants sending identical keys therefore address different
-blocks, and without another tenant's token no request can even name theirs.
+(tenant + admin flag + scope key) from the server's tokens file, and every key a
+request names is rewritten under the tenant's scope key before it reaches the node.
+Two tenants sending identical keys therefore address different blocks, and without
+another tenant's token no request can even name theirs.
+
+The tokens file also holds the cluster's ``scope_secret`` (every node loads the same
+file, so every node scopes alike). It is required once the file names two or more
+tenants: without it a tenant's scope key would be its public name, and the scoped keys
+the nodes publish to etcd would tell one tenant which prompts another has cached.
+A single-tenant file may leave it out (there is no other tenant to hide from).
 
 Tokens are compared by their SHA-256 (a dict lookup on a digest), so the time a lookup
 takes says nothing about how much of a guessed token was right.
@@ -20,7 +26,7 @@ from typing import Any
 
 from kvstore.config import ServerConfig
 from kvstore.errors import AuthError, ConfigError
-from kvstore.tenants import DEFAULT_TENANT, Principal
+from kvstore.tenants import DEFAULT_TENANT, MIN_SECRET_BYTES, Principal, derive_scope_key
 
 __all__ = ["TokenTable"]
 
@@ -38,17 +44,37 @@ class TokenTable:
 
     @classmethod
     def from_config(cls, config: ServerConfig) -> TokenTable:
-        """``auth_token`` (tenant "default", admin), then the tokens file's entries."""
-        entries: dict[str, Principal] = {}
+        """``auth_token`` (tenant "default", admin), then the tokens file's entries, each
+        scoped with the file's ``scope_secret`` when it has one."""
+        listed: list[tuple[str, str, bool]] = []
         if config.auth_token:
-            entries[config.auth_token] = Principal(DEFAULT_TENANT, admin=True)
+            listed.append((config.auth_token, DEFAULT_TENANT, True))
+        secret = b""
         if config.tokens_file:
-            for token, principal in _read_tokens(config.tokens_file):
-                if token in entries:
-                    raise ConfigError(f"tokens_file: a token is listed twice ({principal})")
-                entries[token] = principal
-        anonymous = Principal(DEFAULT_TENANT) if config.allow_anonymous else None
-        return cls(entries, anonymous=anonymous)
+            entries, secret = _read_tokens(config.tokens_file)
+            listed += entries
+        tenants = {tenant for _, tenant, _ in listed}
+        if config.allow_anonymous:
+            tenants.add(DEFAULT_TENANT)
+        if len(tenants) > 1 and not secret:
+            raise ConfigError(
+                f"tokens_file: {len(tenants)} tenants need a scope_secret (a top-level "
+                f"string of at least {MIN_SECRET_BYTES} bytes, the same on every node, e.g. "
+                "from 'openssl rand -hex 32'): without it one tenant can compute another's "
+                "keys"
+            )
+        keys = {t: derive_scope_key(secret, t) if secret else b"" for t in tenants}
+        by_token: dict[str, Principal] = {}
+        for token, tenant, admin in listed:
+            if token in by_token:
+                raise ConfigError(f"tokens_file: a token is listed twice (tenant {tenant!r})")
+            by_token[token] = Principal(tenant, admin, keys[tenant])
+        anonymous = (
+            Principal(DEFAULT_TENANT, scope_key=keys[DEFAULT_TENANT])
+            if config.allow_anonymous
+            else None
+        )
+        return cls(by_token, anonymous=anonymous)
 
     def authenticate(self, token: str | None) -> Principal:
         """The principal of a token; AuthError for a missing or unknown one."""
@@ -75,8 +101,9 @@ class TokenTable:
         return self.authenticate(token)
 
 
-def _read_tokens(path: str) -> list[tuple[str, Principal]]:
-    """``[[tokens]]`` entries (TOML, or JSON ``{"tokens": [...]}``) as (token, principal)."""
+def _read_tokens(path: str) -> tuple[list[tuple[str, str, bool]], bytes]:
+    """``[[tokens]]`` entries (TOML, or JSON ``{"tokens": [...]}``) as (token, tenant,
+    admin), and the file's ``scope_secret`` (b"" when it has none)."""
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -91,6 +118,12 @@ def _read_tokens(path: str) -> list[tuple[str, Principal]]:
     items = doc.get("tokens") if isinstance(doc, dict) else None
     if not isinstance(items, list) or not items:
         raise ConfigError(f"tokens_file {path!r}: expected a non-empty [[tokens]] list")
+    secret = doc.get("scope_secret", "")
+    if not isinstance(secret, str) or (secret and len(secret.encode()) < MIN_SECRET_BYTES):
+        raise ConfigError(
+            f"tokens_file {path!r}: scope_secret must be a string of at least "
+            f"{MIN_SECRET_BYTES} bytes"
+        )
     out = []
     for i, item in enumerate(items):
         where = f"tokens_file {path!r} entry {i}"
@@ -105,7 +138,8 @@ def _read_tokens(path: str) -> list[tuple[str, Principal]]:
         if not isinstance(admin, bool):
             raise ConfigError(f"{where}: admin must be true or false")
         try:
-            out.append((token, Principal(tenant, admin)))
+            Principal(tenant)  # validates the name, naming the entry on error
         except ConfigError as exc:
             raise ConfigError(f"{where}: {exc}") from None
-    return out
+        out.append((token, tenant, admin))
+    return out, secret.encode()

@@ -156,6 +156,7 @@ class StoreServer:
             node_id=node.node_id,
             tenant=p.tenant,
             admin=p.admin,
+            scope_key=p.scope_key,
             host_id=host_id(),
             hostname=hostname(),
             data_port=self.data_port,

@@ -34,9 +34,8 @@ from kvstore.directory import NodeInfo
 from kvstore.directory.background import BackgroundDirectory
 from kvstore.directory.etcd_process import EtcdProcess, free_port
 from kvstore.events import BlockStored
-from kvstore.tenants import Principal
 from kvstore.tiering import TierKind
-from tests.support.server_process import ADMIN, ALPHA, ServerProcess, base_flags
+from tests.support.server_process import ADMIN, ALPHA, ServerProcess, base_flags, principal_of
 
 pytest.importorskip("aetcd")
 
@@ -44,7 +43,7 @@ from kvstore.directory.etcd import EtcdDirectory
 
 TTL = 2
 ROOT = Path(__file__).resolve().parents[2]
-SCOPE = Principal(ALPHA.tenant)
+SCOPE = principal_of(ALPHA)
 
 
 def value_for(key: bytes) -> np.ndarray:

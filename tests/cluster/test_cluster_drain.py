@@ -19,7 +19,6 @@ from kvstore.cli import main
 from kvstore.client.admin import AdminClient
 from kvstore.client.cluster import ClusterClient
 from kvstore.directory.etcd_process import EtcdProcess
-from kvstore.tenants import Principal
 from kvstore.tiering import TierKind
 from tests.cluster.test_cluster import (
     Cluster,
@@ -30,7 +29,7 @@ from tests.cluster.test_cluster import (
     wait_until,
 )
 from tests.support.background import Background
-from tests.support.server_process import ADMIN, ALPHA, BRAVO, ServerProcess
+from tests.support.server_process import ADMIN, ALPHA, BRAVO, ServerProcess, principal_of
 
 pytest.importorskip("aetcd")
 
@@ -212,7 +211,7 @@ def test_ls_by_namespace_asks_each_node_and_is_exact(
             server: ServerProcess = cl.servers[node_id]
             with server.client(token, namespace=Namespace(model, LAYOUT)) as c:
                 assert c.batch_put(ks, [_value(i) for i in range(n)]) == [True] * n
-            scope = Principal(token.tenant)
+            scope = principal_of(token)
             want.setdefault((token.tenant, model), set()).update(
                 (scope.scope(k).hex(), node_id) for k in ks
             )
@@ -267,7 +266,7 @@ def test_ls_by_namespace_finds_blocks_a_drain_moved(
             ks = [os.urandom(16) for _ in range(n)]
             with a.client(token, namespace=Namespace(model, LAYOUT)) as c:
                 assert c.batch_put(ks, [_value(i) for i in range(n)]) == [True] * n
-            want[(token.tenant, model)] = {Principal(token.tenant).scope(k).hex() for k in ks}
+            want[(token.tenant, model)] = {principal_of(token).scope(k).hex() for k in ks}
         with a.client(ADMIN) as c:
             AdminClient(c).evict("dram", 4 * 1024)  # some on a's SSD, some in its DRAM
             assert 0 < c.stats()["tiers"]["ssd"]["blocks"] < 9

@@ -29,11 +29,18 @@ from kvstore.cli.admin import parse_duration, parse_target
 from kvstore.client.admin import AdminClient
 from kvstore.client.transport.conn import DataConn
 from kvstore.errors import ConfigError, PermissionDenied
-from kvstore.tenants import Principal
 from kvstore.wire.codec import scope_of
 from kvstore.wire.frames import Op
 from tests.support.background import Background
-from tests.support.server_process import ADMIN, ALPHA, BRAVO, ServerProcess, Token, base_flags
+from tests.support.server_process import (
+    ADMIN,
+    ALPHA,
+    BRAVO,
+    ServerProcess,
+    Token,
+    base_flags,
+    principal_of,
+)
 
 if TYPE_CHECKING:
     from tests.support.server_fixtures import ServerFactory
@@ -338,10 +345,10 @@ def test_namespace_filters_select_ssd_blocks_after_a_crash_restart(
         ks = [key(tag, i) for i in range(n)]
         with server.client(token, namespace=ns) as c:
             assert c.batch_put(ks, [value(i) for i in range(n)]) == [True] * n
-        want[(token.tenant, ns.model)] = {Principal(token.tenant).scope(k) for k in ks}
+        want[(token.tenant, ns.model)] = {principal_of(token).scope(k) for k in ks}
     with server.client(BRAVO, namespace=other) as c:
         assert c.batch_put([key("p", i) for i in range(2)], [value(i) for i in range(2)])
-    want[("bravo", "other-model")] = {Principal("bravo").scope(key("p", i)) for i in range(2)}
+    want[("bravo", "other-model")] = {principal_of(BRAVO).scope(key("p", i)) for i in range(2)}
     with server.client(ALPHA) as c:  # no scope: no tenant or model filter selects it
         assert c.put(key("n", 0), b"x" * 1000)
     node = ("--node", server.address)
@@ -370,7 +377,7 @@ def test_namespace_filters_select_ssd_blocks_after_a_crash_restart(
     assert r["dropped"] == 6
     with server.client(ADMIN) as c:
         left = {b.key for b in AdminClient(c).scan(100)}
-    assert left == want[("alpha", "m")] | {Principal("alpha").scope(key("n", 0))}
+    assert left == want[("alpha", "m")] | {principal_of(ALPHA).scope(key("n", 0))}
 
 
 # -- drain --------------------------------------------------------------------------------

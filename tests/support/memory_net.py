@@ -98,6 +98,7 @@ class MemoryServer:
             node_id=self.node.node_id,
             tenant=p.tenant,
             admin=p.admin,
+            scope_key=p.scope_key,
             data_port=self.port,
             lease_ttl_ms=int(c.lease_ttl_s * 1000),
             limits=pb.Limits(

@@ -23,16 +23,20 @@ from typing import Any
 
 from kvstore import StoreClient
 from kvstore.shm.index import index_name
+from kvstore.tenants import Principal, derive_scope_key
 
 __all__ = [
     "ADMIN",
     "ALPHA",
     "BRAVO",
+    "SCOPE_SECRET",
     "TOKENS",
     "ServerProcess",
     "Token",
     "base_flags",
     "make_tls_cert",
+    "principal_of",
+    "write_tokens",
 ]
 
 
@@ -50,9 +54,21 @@ TOKENS = (ALPHA, BRAVO, ADMIN)
 READY_TIMEOUT = 30.0
 
 
-def write_tokens(path: Path, tokens: tuple[Token, ...] = TOKENS) -> Path:
-    """A tokens file (TOML) for ``--tokens-file``."""
-    lines = []
+SCOPE_SECRET = "test-scope-secret-0123456789abcdef0123456789"
+
+
+def principal_of(token: Token, secret: str = SCOPE_SECRET) -> Principal:
+    """How a server given :func:`write_tokens`'s file scopes this token's keys (what a
+    test computes to find a tenant's blocks in a node or the directory)."""
+    return Principal(token.tenant, scope_key=derive_scope_key(secret.encode(), token.tenant))
+
+
+def write_tokens(
+    path: Path, tokens: tuple[Token, ...] = TOKENS, secret: str = SCOPE_SECRET
+) -> Path:
+    """A tokens file (TOML) for ``--tokens-file``, with the cluster's scope secret
+    (``secret=""``: none)."""
+    lines = [f'scope_secret = "{secret}"', ""] if secret else []
     for t in tokens:
         admin = "true" if t.admin else "false"
         lines += [

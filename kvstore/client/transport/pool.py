@@ -283,7 +283,7 @@ class ConnPool(Links):
         if not (self.config.shm_direct and info.shm_index and reader_supported()):
             return None
         try:
-            return DirectReader(IndexReader(info.shm_index), seg.view, info.tenant)
+            return DirectReader(IndexReader(info.shm_index), seg.view, info.tenant, info.scope_key)
         except StorageError as exc:
             log.info("published index does not map here (%s); leased reads only", exc)
             return None

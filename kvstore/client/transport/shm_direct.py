@@ -2,8 +2,9 @@
 and copy it out of the segment, checked by the index's sequence lock.
 
 The contract is in kvstore/shm/index.py. Here is the client's half: the key is
-scoped to the client's tenant exactly as the server would (kvstore/server/auth.py: the tenant
-comes from the server's INFO reply, so scoping is the same function of the same inputs),
+scoped to the client's tenant exactly as the server would (kvstore/tenants.py: the tenant
+and its scope key come from the server's INFO reply, so scoping is the same function of
+the same inputs),
 the block header found at the published offset must name that scoped key and the
 namespace the server resolved for the request's scope (learned from a LEASE reply, see
 :meth:`DirectReader.learn`), and the slot must be unchanged after the copy. A key that is
@@ -52,11 +53,13 @@ class DirectReader:
     whose items are replaced whole).
     """
 
-    def __init__(self, index: IndexReader, view: np.ndarray, tenant: str) -> None:
+    def __init__(
+        self, index: IndexReader, view: np.ndarray, tenant: str, scope_key: bytes = b""
+    ) -> None:
         self.index = index
         self.view = view  # the DRAM segment, uint8
         self.size = int(view.size)
-        self._scope = Principal(tenant).scope_all
+        self._scope = Principal(tenant, scope_key=scope_key).scope_all
         self.fps: dict[tuple[str, str], bytes] = {}  # (model, layout) -> namespace fp
 
     def learn(self, model: str, layout: str, fp: bytes) -> None:
