@@ -4,13 +4,22 @@ A layout string names the dtype and geometry of one block, e.g. ``bf16:L32:H8:D1
 (dtype, layers, KV heads, head dim) with optional ``B16`` (tokens per block) and
 ``R0`` (tensor-parallel rank). It is part of the namespace, so a model, dtype or
 sharding change yields different keys and can never load foreign KV.
+
+An optional ``C<codec>`` (``Cfp8``, ``Cint8``; see :mod:`kvstore.codec`) says the
+stored bytes are that codec's compression of blocks of this dtype and geometry. It
+joins the canonical string only when present, so an uncompressed layout hashes
+exactly as it always has, and a compressed one can never share keys (or a
+fingerprint) with it. A compressed layout needs ``B<n>``: its payload size is fixed
+per block, not per token.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from kvstore.codec.format import FLOAT_DTYPES
+from kvstore.codec.registry import codec_spec, normalize_codec
 from kvstore.errors import ConfigError
 
 __all__ = ["DTYPE_SIZES", "KVLayout", "normalize_dtype"]
@@ -44,6 +53,7 @@ _ALIASES = {
 }
 
 _FIELD = re.compile(r"^([LHDBR])(\d+)$")
+_CODEC = re.compile(r"^[Cc]([A-Za-z][A-Za-z0-9_]*)$")
 
 
 def normalize_dtype(name: str) -> str:
@@ -65,15 +75,25 @@ class KVLayout:
     head_dim: int
     block_tokens: int | None = None
     rank: int = 0
+    codec: str | None = None
+    """Compression of the stored bytes (``fp8``, ``int8``), None when stored as is."""
 
     @classmethod
     def parse(cls, text: str) -> KVLayout:
-        """Parse ``dtype:L<n>:H<n>:D<n>[:B<n>][:R<n>]`` (fields after dtype in any order)."""
+        """Parse ``dtype:L<n>:H<n>:D<n>[:B<n>][:R<n>][:C<codec>]`` (fields after dtype
+        in any order)."""
         parts = [p for p in str(text).split(":") if p]
         if len(parts) < 4:
             raise ConfigError(f"layout {text!r} must look like 'bf16:L32:H8:D128[:B16][:R0]'")
         fields: dict[str, int] = {}
+        codec: str | None = None
         for p in parts[1:]:
+            c = _CODEC.match(p)
+            if c:
+                if codec is not None:
+                    raise ConfigError(f"layout {text!r}: field C given twice")
+                codec = cls._codec_of(text, c.group(1))
+                continue
             m = _FIELD.match(p.upper())
             if not m:
                 raise ConfigError(f"layout {text!r}: bad field {p!r}")
@@ -90,11 +110,39 @@ class KVLayout:
             head_dim=fields["D"],
             block_tokens=fields.get("B"),
             rank=fields.get("R", 0),
+            codec=codec,
         )
         if min(layout.layers, layout.kv_heads, layout.head_dim) <= 0:
             raise ConfigError(f"layout {text!r}: L, H and D must be positive")
         if layout.block_tokens is not None and layout.block_tokens <= 0:
             raise ConfigError(f"layout {text!r}: B must be positive")
+        layout._check_codec(text)
+        return layout
+
+    @staticmethod
+    def _codec_of(text: str, name: str) -> str:
+        """The canonical codec name of a ``C<name>`` field (``none`` is refused: an
+        uncompressed layout simply has no C field, so it has one spelling)."""
+        codec = normalize_codec(name)
+        if codec is None:
+            raise ConfigError(f"layout {text!r}: leave C out for an uncompressed layout")
+        return codec
+
+    def _check_codec(self, text: str) -> None:
+        if self.codec is None:
+            return
+        if self.block_tokens is None:
+            raise ConfigError(f"layout {text!r}: a compressed layout needs B<n>")
+        if self.dtype not in FLOAT_DTYPES:
+            raise ConfigError(
+                f"layout {text!r}: codec {self.codec} compresses "
+                f"{', '.join(sorted(FLOAT_DTYPES))}, not {self.dtype}"
+            )
+
+    def with_codec(self, codec: str | None) -> KVLayout:
+        """The same layout with its stored bytes compressed by ``codec`` (None: raw)."""
+        layout = replace(self, codec=normalize_codec(codec))
+        layout._check_codec(self.canonical())
         return layout
 
     def with_block_tokens(self, block_tokens: int) -> KVLayout:
@@ -103,16 +151,16 @@ class KVLayout:
             raise ConfigError(
                 f"layout says B{self.block_tokens} but block_tokens={block_tokens} was asked"
             )
-        return KVLayout(
-            self.dtype, self.layers, self.kv_heads, self.head_dim, block_tokens, self.rank
-        )
+        return replace(self, block_tokens=block_tokens)
 
     def canonical(self) -> str:
-        """The one spelling of this layout that goes into hashes."""
+        """The one spelling of this layout that goes into hashes (``:C<codec>`` last,
+        and only when compressed: uncompressed layouts keep their old spelling)."""
         s = f"{self.dtype}:L{self.layers}:H{self.kv_heads}:D{self.head_dim}"
         if self.block_tokens is not None:
             s += f":B{self.block_tokens}"
-        return s + f":R{self.rank}"
+        s += f":R{self.rank}"
+        return s if self.codec is None else s + f":C{self.codec}"
 
     def block_shape(self) -> tuple[int, int, int, int, int]:
         """``(layers, 2, kv_heads, block_tokens, head_dim)``; needs ``block_tokens``."""
@@ -121,7 +169,14 @@ class KVLayout:
         return (self.layers, 2, self.kv_heads, self.block_tokens, self.head_dim)
 
     def block_bytes(self) -> int:
-        """Payload bytes of one block."""
+        """Payload bytes of one stored block: the codec's compressed size when the
+        layout has one (what the store checks a put against), else dtype x shape."""
+        if self.codec is not None:
+            return codec_spec(self.codec).encoded_nbytes(self.block_shape())
+        return self.raw_block_bytes()
+
+    def raw_block_bytes(self) -> int:
+        """Bytes of one block in the layout's dtype, before any compression."""
         n = DTYPE_SIZES[self.dtype]
         for d in self.block_shape():
             n *= d

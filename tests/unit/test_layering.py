@@ -15,7 +15,8 @@ PACKAGE = ROOT / "kvstore"
 
 # Lower layers first; a module may import its own layer and the ones before it.
 LAYERS: list[set[str]] = [
-    {"errors", "layout", "keys", "blocks", "tiering", "events", "tenants", "config", "_proto"},
+    {"errors", "layout", "keys", "blocks", "tiering", "events", "tenants", "config", "_proto"}
+    | {"codec"},  # KV compression: torch-free sizes the layout imports, codecs behind a name
     {"faults"},
     {"observe", "shm"},
     {"tiers"},

@@ -1,0 +1,136 @@
+"""The codec seam: a KV block in the engine's dtype <-> opaque compressed bytes.
+
+A codec sits between an engine and the store. It encodes one block
+(``[layers, 2, kv_heads, block_tokens, head_dim]`` in bf16, fp16 or fp32) into a flat
+uint8 tensor the store keeps as it is (so its checksums cover the compressed bytes,
+in every tier and on the wire), and decodes such bytes back into a caller's block of
+the engine's dtype. Which codec a namespace uses is part of its layout fingerprint
+(:mod:`kvstore.layout`), so bytes of one codec are never decoded by another.
+
+:class:`ScaledCodec` is the shared machinery of the 1-byte codecs (fp8, int8): one
+float32 scale per (layer, k|v, head), the format of :mod:`kvstore.codec.format`. A
+subclass says only how a scaled float32 becomes its byte and back.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from kvstore.codec.format import FLOAT_DTYPES, SCALE_BYTES, encoded_nbytes
+from kvstore.errors import CorruptBlock, InvalidValue, LayoutMismatch
+
+__all__ = ["KVCodec", "ScaledCodec"]
+
+
+class KVCodec(ABC):
+    """Compresses KV blocks for the store and restores them for the engine."""
+
+    name: ClassVar[str]
+    """The name the layout and the registry know this codec by (``fp8``, ``int8``)."""
+
+    @abstractmethod
+    def encoded_nbytes(self, shape: Sequence[int]) -> int:
+        """Bytes :meth:`encode` returns for a block of ``shape`` (fixed per shape: the
+        store sizes every block of a namespace from its layout)."""
+
+    @abstractmethod
+    def encode(self, block: torch.Tensor) -> torch.Tensor:
+        """A flat uint8 tensor of :meth:`encoded_nbytes` bytes; raises InvalidValue
+        for a block it cannot represent (inf or nan, a non-float dtype)."""
+
+    @abstractmethod
+    def decode(self, data: Any, out: torch.Tensor) -> torch.Tensor:
+        """Dequantize ``data`` (bytes from :meth:`encode`) into ``out`` (the block,
+        in the engine's dtype) and return ``out``."""
+
+
+def _block_shape(block: torch.Tensor, what: str) -> tuple[int, int, int, int, int]:
+    dtype = str(block.dtype).removeprefix("torch.")
+    if dtype not in FLOAT_DTYPES:
+        raise InvalidValue(
+            f"{what} is {dtype}; a KV codec works on {', '.join(sorted(FLOAT_DTYPES))}"
+        )
+    s = tuple(block.shape)
+    if len(s) != 5 or s[1] != 2 or min(s) <= 0:
+        raise InvalidValue(f"{what} is {s}; a KV block is [layers, 2, kv_heads, tokens, dim]")
+    return (s[0], s[1], s[2], s[3], s[4])
+
+
+def _as_bytes(data: Any) -> torch.Tensor:
+    """A flat uint8 tensor over ``data`` (a tensor, numpy array or buffer), 4-byte
+    aligned so its scales can be viewed as float32 without a copy when possible."""
+    if isinstance(data, torch.Tensor):
+        t = data.reshape(-1).view(torch.uint8) if data.dtype != torch.uint8 else data.reshape(-1)
+    else:
+        t = torch.frombuffer(memoryview(data).cast("B"), dtype=torch.uint8)
+    if t.storage_offset() % SCALE_BYTES:
+        t = t.clone()
+    return t
+
+
+class ScaledCodec(KVCodec):
+    """One float32 scale per (layer, k|v, head), one byte per element.
+
+    The scale is the head's largest magnitude over ``qmax``, so every element maps
+    into the byte type's range; an all-zero head gets scale 0 and decodes to zeros.
+    """
+
+    qmax: ClassVar[float]
+    """Largest magnitude of the byte type (the head's absmax maps onto it)."""
+
+    @abstractmethod
+    def _to_bytes(self, scaled: torch.Tensor, out: torch.Tensor) -> None:
+        """Write ``scaled`` (float32 in [-qmax, qmax], may be modified) into ``out``
+        (uint8, one per element)."""
+
+    @abstractmethod
+    def _from_bytes(self, values: torch.Tensor) -> torch.Tensor:
+        """A new float32 tensor of the integers/floats ``values`` (uint8) encode."""
+
+    def encoded_nbytes(self, shape: Sequence[int]) -> int:
+        return encoded_nbytes(shape)
+
+    def encode(self, block: torch.Tensor) -> torch.Tensor:
+        layers, two, heads, tokens, dim = _block_shape(block, "block")
+        rows = layers * two * heads
+        x = block.detach().reshape(rows, tokens * dim).to(torch.float32, copy=True)
+        lo, hi = torch.aminmax(x, dim=1)
+        amax = torch.maximum(hi, lo.neg())  # nan and inf survive both, so the check sees them
+        finite = torch.isfinite(amax)
+        if not bool(finite.all()):
+            bad = int((~finite).nonzero()[0, 0])
+            layer, kv, head = bad // (two * heads), (bad // heads) % two, bad % heads
+            raise InvalidValue(
+                f"KV block has inf or nan at layer {layer}, {'kv'[kv]}, head {head}: "
+                f"refusing to {self.name}-encode it (it would decode to garbage)"
+            )
+        scale = amax / self.qmax
+        x.div_(torch.where(scale > 0, scale, 1.0).unsqueeze(1))
+        out = torch.empty(encoded_nbytes(block.shape), dtype=torch.uint8, device=block.device)
+        n = rows * SCALE_BYTES
+        out[:n].view(torch.float32).copy_(scale)
+        self._to_bytes(x, out[n:])
+        return out
+
+    def decode(self, data: Any, out: torch.Tensor) -> torch.Tensor:
+        layers, two, heads, tokens, dim = _block_shape(out, "output block")
+        raw = _as_bytes(data)
+        want = encoded_nbytes(out.shape)
+        if raw.numel() != want:
+            raise LayoutMismatch(
+                f"{raw.numel()} bytes to decode; a {self.name} block of {tuple(out.shape)} "
+                f"has {want}"
+            )
+        rows = layers * two * heads
+        n = rows * SCALE_BYTES
+        scale = raw[:n].view(torch.float32)
+        if not bool((torch.isfinite(scale) & (scale >= 0)).all()):
+            raise CorruptBlock(f"{self.name} block has a negative or non-finite scale")
+        x = self._from_bytes(raw[n:]).view(rows, tokens * dim)
+        x.mul_(scale.to(x.device).unsqueeze(1))
+        out.copy_(x.view(out.shape))
+        return out

@@ -1,0 +1,31 @@
+"""fp8 (e4m3): each scaled element rounded to float8_e4m3fn.
+
+e4m3 keeps 3 mantissa bits at every magnitude, so small and large elements of a head
+get the same relative error (about 1/16); its largest finite value, 448, is where the
+head's absmax lands.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvstore.codec.base import ScaledCodec
+
+__all__ = ["FP8Codec"]
+
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+
+
+class FP8Codec(ScaledCodec):
+    """Per-(layer, k|v, head) scaled float8_e4m3fn."""
+
+    name = "fp8"
+    qmax = FP8_MAX
+
+    def _to_bytes(self, scaled: torch.Tensor, out: torch.Tensor) -> None:
+        # The clamp guards the last ulp of the division: e4m3fn has no inf to saturate to.
+        scaled.clamp_(-FP8_MAX, FP8_MAX)
+        out.view(torch.float8_e4m3fn).copy_(scaled.view(-1))
+
+    def _from_bytes(self, values: torch.Tensor) -> torch.Tensor:
+        return values.view(torch.float8_e4m3fn).to(torch.float32)
