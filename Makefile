@@ -2,6 +2,10 @@
 PY ?= python3
 PIP ?= $(PY) -m pip
 APT_PKGS := etcd-server redis-server tmux
+# Best-effort extras: without them the tests that need them skip, with the reason.
+# iproute2 (ip, tc): the multi-host tests (tests/cluster/test_partitions.py) build hosts
+# out of network namespaces.
+APT_OPTIONAL := iproute2
 
 .PHONY: demo demo-deps install install-test system-deps lint typecheck test bench proto
 
@@ -33,6 +37,11 @@ system-deps:
 	else \
 		echo "install $(APT_PKGS) (needs root/apt-get)"; exit 1; \
 	fi
+	@command -v ip >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then \
+			(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+				$(APT_OPTIONAL) >/dev/null) || echo "could not install $(APT_OPTIONAL); the multi-host tests skip"; \
+		fi; }
 
 install-test: system-deps
 	$(PIP) install -q -e ".[test,engine,cli]"
