@@ -92,7 +92,8 @@ class ValueInfo:
     def check_layout(self, layout: KVLayout) -> None:
         """Refuse a value whose dtype or shape is not this layout's block."""
         if self.kind == KIND_BYTES:
-            return  # raw bytes carry no geometry; the engine adapter never sends them
+            self._check_raw_size(layout)  # no geometry to check: the size must still fit
+            return
         if self.dtype != layout.dtype:
             raise LayoutMismatch(f"dtype {self.dtype} does not match the layout's {layout.dtype}")
         want = (layout.layers, 2, layout.kv_heads, layout.block_tokens, layout.head_dim)
@@ -102,6 +103,26 @@ class ValueInfo:
         if not ok:
             shown = tuple("*" if w is None else w for w in want)
             raise LayoutMismatch(f"shape {self.shape} does not match the layout's {shown}")
+
+    def _check_raw_size(self, layout: KVLayout) -> None:
+        """Raw bytes under a namespace must be exactly one block of its layout (any
+        number of whole tokens when the layout leaves the block size open): a reader of
+        the namespace copies them into a tensor of that geometry."""
+        if layout.block_tokens is not None:
+            want = layout.block_bytes()
+            if self.nbytes != want:
+                raise LayoutMismatch(
+                    f"raw value of {self.nbytes} bytes; a block of {layout.canonical()} "
+                    f"holds {want}"
+                )
+            return
+        per_token = DTYPE_SIZES[layout.dtype] * layout.layers * 2 * layout.kv_heads
+        per_token *= layout.head_dim
+        if self.nbytes % per_token:
+            raise LayoutMismatch(
+                f"raw value of {self.nbytes} bytes is not whole tokens of "
+                f"{layout.canonical()} ({per_token} bytes each)"
+            )
 
 
 def _is_torch(value: Any) -> bool:
@@ -124,6 +145,8 @@ def _np_dtype_name(dt: np.dtype) -> str:
 def describe(value: Any) -> ValueInfo:
     """Dtype, shape and kind of a torch tensor, numpy array or bytes-like value."""
     if _is_torch(value):
+        if value.device.type == "meta":  # torch would raise NotImplementedError later
+            raise InvalidValue("a meta tensor has no data: materialize it on a real device")
         dtype = str(value.dtype).removeprefix("torch.")
         if dtype not in _DTYPE_CODES:
             raise InvalidValue(f"unsupported tensor dtype {value.dtype}")

@@ -29,6 +29,11 @@ from the first node it opens and scopes keys the same way to look them up.
 
 Which node to ask, whether it is alive (a node that fails a call is skipped for a
 while) and its client live in kvstore/client/members.py.
+
+Deadlines: a call's time is shared among the nodes it may still try. An attempt on one
+node gets the time left divided by the nodes left to try (itself included; the last
+one gets all of it), so a node that hangs (SIGSTOPped, wedged) costs its share and the
+call fails over to the next node or replica before the caller's deadline.
 """
 
 from __future__ import annotations
@@ -104,7 +109,10 @@ class ClusterClient:
     def _etcd_factory(self) -> Directory:
         from kvstore.directory.etcd import EtcdDirectory  # aetcd is optional
 
-        return EtcdDirectory(self.endpoint, self.cluster, timeout=self.config.connect_timeout_s)
+        return EtcdDirectory(
+            self.endpoint, self.cluster, auth=self.config.etcd_auth,
+            timeout=self.config.connect_timeout_s,
+        )  # fmt: skip
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -204,10 +212,11 @@ class ClusterClient:
         results: list[Any] = [None] * len(ks)
         todo = list(range(len(ks)))
         members = self.members
-        for node_id in members.write_order():
+        order = members.write_order()
+        for n, node_id in enumerate(order):
             if not todo:
                 break
-            vals, left = [values[i] for i in todo], _left(deadline)
+            vals, left = [values[i] for i in todo], _share(deadline, len(order) - n)
             try:
                 out = members.client(node_id).batch_put([ks[i] for i in todo], vals, timeout=left)
             except NODE_FAILURES as exc:
@@ -337,7 +346,10 @@ class ClusterClient:
                 if pos[i] < len(order):
                     groups.setdefault(order[pos[i]], []).append(i)
             pending = []
-            for node_id, idx, out in self._fan_out(groups, call, deadline):
+            tries = {  # per node: the most replicas one of its keys may still try
+                n: max(len(orders[i]) - pos[i] for i in idx) for n, idx in groups.items()
+            }
+            for node_id, idx, out in self._fan_out(groups, call, deadline, tries):
                 if isinstance(out, KVStoreError):
                     members.suspect(node_id, out)
                     out = [out] * len(idx)
@@ -353,14 +365,19 @@ class ClusterClient:
         return results
 
     def _fan_out(
-        self, groups: dict[str, list[int]], call: NodeCall, deadline: float
+        self,
+        groups: dict[str, list[int]],
+        call: NodeCall,
+        deadline: float,
+        tries: dict[str, int],
     ) -> list[tuple[str, list[int], Any]]:
-        """Run ``call`` once per node (in parallel when several); a node-level
+        """Run ``call`` once per node (in parallel when several), each within its share
+        of the time left (``tries``: the replicas its keys may still try); a node-level
         failure comes back as the error instead of a result list."""
 
         def one(item: tuple[str, list[int]]) -> tuple[str, list[int], Any]:
             node_id, idx = item
-            left = _left(deadline)  # past the deadline: the whole call times out
+            left = _share(deadline, tries[node_id])  # past the deadline: the call times out
             try:
                 return node_id, idx, call(self.members.client(node_id), idx, left)
             except NODE_FAILURES as exc:
@@ -425,6 +442,12 @@ def _left(deadline: float) -> float:
     if left <= 0:
         raise TimeoutError_("deadline passed before the call")
     return left
+
+
+def _share(deadline: float, tries: int) -> float:
+    """One attempt's time: what is left until ``deadline`` split evenly among the
+    ``tries`` attempts still possible (this one included)."""
+    return _left(deadline) / max(tries, 1)
 
 
 def _one(results: list[Any]) -> Any:

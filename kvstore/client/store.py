@@ -19,7 +19,10 @@ on an unopened or closed client raises ClosedError saying which.
 Errors: only the kvstore error tree (kvstore/errors.py). A failure whose ``retryable`` is
 true (server unreachable, connection reset, deadline of one attempt, no capacity) is
 retried with jittered exponential backoff, ``retries`` times, within the call's
-timeout; others are raised at once. Batch calls report each key's own outcome.
+timeout; others are raised at once. Batch calls report each key's own outcome; a
+write's keys whose outcome is a retryable error (a node momentarily full while other
+writers' blocks are on their way to SSD) are sent again, alone, the same way. (A read's
+are not: a cluster client reads that key from another replica instead.)
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from kvstore.wire.codec import scope_of, stats_from_proto
 __all__ = ["AsyncNodeClient", "NodeClient"]
 
 T = TypeVar("T")
+DataCall = Callable[[Any, Transport[Any], float], T]  # (connection, transport, deadline)
 DEFAULT_PORT = 7400
 
 
@@ -79,6 +83,11 @@ def _port(text: str, address: str) -> int:
     if not text.isdigit() or not 0 < int(text) < 65536:
         raise ConfigError(f"address {address!r}: bad port {text!r}")
     return int(text)
+
+
+def _pick(seq: Sequence[Any], idx: list[int]) -> Sequence[Any]:
+    """``seq`` at positions ``idx`` (``seq`` itself when that is all of it)."""
+    return seq if len(idx) == len(seq) else [seq[i] for i in idx]
 
 
 def _one(results: list[Any]) -> Any:
@@ -235,7 +244,12 @@ class NodeClient:
         if len(values) != len(ks):
             raise InvalidValue(f"{len(ks)} keys but {len(values)} values")
         scope = self._scope_for(namespace)
-        return self._data(lambda c, t, d: t.write(c, ks, values, scope, d), timeout)
+
+        def write(idx: list[int]) -> DataCall[list[Any]]:
+            sub_k, sub_v = _pick(ks, idx), _pick(values, idx)
+            return lambda c, t, d: t.write(c, sub_k, sub_v, scope, d)
+
+        return self._per_item(write, len(ks), timeout)
 
     def batch_get(
         self,
@@ -330,7 +344,7 @@ class NodeClient:
     def _deadline(self, timeout: float | None) -> float:
         return time.monotonic() + (self.config.timeout_s if timeout is None else timeout)
 
-    def _data(self, fn: Callable[[Any, Transport[Any], float], T], timeout: float | None) -> T:
+    def _data(self, fn: DataCall[T], timeout: float | None, deadline: float | None = None) -> T:
         self._check_open()
         pool = self._pool
         assert pool is not None
@@ -342,7 +356,29 @@ class NodeClient:
             finally:
                 pool.give_back(link)
 
-        return self._retry(attempt, self._deadline(timeout))
+        return self._retry(attempt, self._deadline(timeout) if deadline is None else deadline)
+
+    def _per_item(
+        self, call: Callable[[list[int]], DataCall[list[Any]]], n: int, timeout: float | None
+    ) -> list[Any]:
+        """A batch call whose keys failing with a retryable error are sent again (only
+        they), with backoff, ``retries`` times within the call's deadline."""
+        deadline = self._deadline(timeout)
+        idx = list(range(n))
+        results = self._data(call(idx), timeout, deadline)
+        for tries in range(1, self.config.retries + 1):
+            idx = [i for i in idx if isinstance(results[i], KVStoreError) and results[i].retryable]
+            left = deadline - time.monotonic()
+            if not idx or left <= 0:
+                break
+            self.counters.inc("item_retries", len(idx))
+            time.sleep(min(self._backoff(tries), left))
+            for i, r in zip(idx, self._data(call(idx), timeout, deadline), strict=True):
+                results[i] = r
+        return results
+
+    def _backoff(self, tries: int) -> float:
+        return min(self.config.backoff_s * 2 ** (tries - 1) * (0.5 + random.random()), 1.0)
 
     def _rpc(self, method: str, request: Any, timeout: float | None) -> Any:
         self._check_open()
@@ -371,9 +407,8 @@ class NodeClient:
                     raise
                 if not until_deadline and tries > self.config.retries:
                     raise
-                delay = self.config.backoff_s * 2 ** (tries - 1) * (0.5 + random.random())
                 self.counters.inc("retries")
-                time.sleep(min(delay, left, 1.0))
+                time.sleep(min(self._backoff(tries), left))
 
 
 class AsyncNodeClient:

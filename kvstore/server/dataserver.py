@@ -426,6 +426,11 @@ class _Session:
     # -- writes ------------------------------------------------------------------------
 
     def put(self, meta: bytes, body_len: int) -> pb.PutResponse:
+        if body_len > self._body_cap():  # refused at once: skipping it would take forever
+            raise ProtocolError(
+                f"PUT body of {body_len} bytes exceeds max_batch x max_value_bytes "
+                f"({self._body_cap()})"
+            )
         req = _parse(pb.PutRequest, meta)
         items = _write_items(req)
         if sum(it.nbytes for it in items) != body_len:
@@ -453,11 +458,13 @@ class _Session:
             _put_result(r, resp.results.add())
         return resp
 
+    def _body_cap(self) -> int:
+        """The largest PUT body a well-formed request can carry; the refused items of
+        one within it are read and dropped to keep the stream in step."""
+        return self.server.config.max_batch * self.gw.max_value_bytes
+
     def _skip_body(self, body_len: int) -> None:
-        cap = self.server.config.max_batch * self.gw.max_value_bytes
-        if body_len > cap:
-            raise ProtocolError(f"refused PUT body of {body_len} bytes is too large to skip")
-        self.fs.discard(body_len)
+        self.fs.discard(body_len)  # within _body_cap: put() refused larger ones first
 
     def reserve(self, meta: bytes, body_len: int) -> pb.PutResponse:
         req = _parse(pb.PutRequest, meta)

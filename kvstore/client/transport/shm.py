@@ -25,7 +25,12 @@ DRAM reads, a pinned copy is not checksummed by default: it costs ~18 us per MiB
 
 Write: RESERVE returns an extent and a write lease per value; the client copies each
 payload into ``offset + 128 ..`` and COMMITs with the xxh3 of its source bytes, which the
-node checks against the slab before the block becomes visible. Same-host clients are
+node checks against the slab before the block becomes visible. A batch goes in rounds of
+RESERVE -> copy -> COMMIT of at most half the segment each: reservations are not blocks
+the node can demote, so a batch reserved whole could never be larger than free DRAM,
+while committed rounds make room for the next by demoting to SSD. Items a round could
+not reserve for lack of room (CapacityError) go again in the next round while rounds
+make progress. Same-host clients are
 trusted with the segment (it is mapped read-write, owner-only): a buggy one can scribble
 on other blocks, which readers then reject by checksum.
 
@@ -48,11 +53,16 @@ import numpy as np
 
 from kvstore._proto import store_pb2 as pb
 from kvstore.blocks import HEADER_SIZE, BlockHeader, checksum
-from kvstore.client.transport.buffers import fresh_landing, out_landing, prepare_writes
+from kvstore.client.transport.buffers import (
+    Outgoing,
+    fresh_landing,
+    out_landing,
+    prepare_writes,
+)
 from kvstore.client.transport.conn import DataConn
 from kvstore.client.transport.shm_direct import FALLBACK, DirectReader
 from kvstore.client.transport.tcp import SocketTransport, miss, put_results, receive_inline
-from kvstore.errors import KVStoreError, StorageError, TransportError
+from kvstore.errors import CapacityError, KVStoreError, StorageError, TimeoutError_, TransportError
 from kvstore.observe.counters import NodeCounters
 from kvstore.shm.segment import map_segment
 from kvstore.wire.codec import meta_of
@@ -136,6 +146,8 @@ class ShmTransport(SocketTransport):
         served: list[bytes] = []
         nbytes = 0
         for i, skey in enumerate(d.scoped(list(keys))):
+            if time.monotonic() >= deadline:  # no round trip would notice: check here
+                raise TimeoutError_(f"deadline passed after {i} of {len(keys)} direct reads")
             out = outs[i] if outs is not None else None
             r, n = d.read(skey, out, get_into, nsfp, self.verify, self.counters)
             results.append(r)
@@ -226,17 +238,35 @@ class ShmTransport(SocketTransport):
         deadline: float,
     ) -> list[Any]:
         results: list[Any] = [None] * len(keys)
-        items = prepare_writes(keys, values, results, conn.info.limits.max_value_bytes)
-        if not items:
-            return results
+        pending = prepare_writes(keys, values, results, conn.info.limits.max_value_bytes)
+        budget = max(self.segment.size // 2, 1)
+        while pending:
+            batch, pending = _take_round(pending, budget)
+            granted, refused = self._write_round(conn, batch, scope, deadline, results)
+            if granted and refused:  # room may come from this round's demotions
+                self.counters.inc("shm_write_rerounds", len(refused))
+                pending = refused + pending
+        return results
+
+    def _write_round(
+        self,
+        conn: DataConn,
+        items: list[Outgoing],
+        scope: pb.Scope,
+        deadline: float,
+        results: list[Any],
+    ) -> tuple[int, list[Outgoing]]:
+        """RESERVE, copy and COMMIT ``items``; returns (items granted, items refused for
+        lack of room). Every item's outcome is in ``results``."""
         req = pb.PutRequest(scope=scope)
         for it in items:
             req.items.add(key=it.key, meta=meta_of(it.info))
         resp, _ = conn.call(Op.RESERVE, req, pb.PutResponse, deadline)
         put_results(resp, items, results)  # errors and already-present keys
         granted = [(it, r) for it, r in zip(items, resp.results, strict=True) if r.lease_id]
+        refused = [it for it in items if isinstance(results[it.index], CapacityError)]
         if not granted:
-            return results
+            return 0, refused
         commit = pb.CommitRequest()
         try:
             for it, r in granted:
@@ -249,4 +279,15 @@ class ShmTransport(SocketTransport):
                 conn.call(Op.ABORT, abort, pb.LeaseResponse, deadline)
             raise
         resp, _ = conn.call(Op.COMMIT, commit, pb.PutResponse, deadline)
-        return put_results(resp, [it for it, _ in granted], results)
+        put_results(resp, [it for it, _ in granted], results)
+        return len(granted), refused
+
+
+def _take_round(items: list[Outgoing], budget: int) -> tuple[list[Outgoing], list[Outgoing]]:
+    """The leading items whose extents fit ``budget`` bytes (at least one), and the rest."""
+    total = 0
+    for n, it in enumerate(items):
+        total += HEADER_SIZE + it.info.nbytes
+        if total > budget and n:
+            return items[:n], items[n:]
+    return items, []
