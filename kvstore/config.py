@@ -21,6 +21,8 @@ __all__ = [
     "ENV_PREFIX",
     "ClientConfig",
     "ClusterConfig",
+    "EtcdAccess",
+    "EtcdAuth",
     "NodeConfig",
     "ServerConfig",
     "child_env",
@@ -144,11 +146,95 @@ def _coerce(cls: type, name: str, value: Any) -> Any:
     return str(value)
 
 
+# -- etcd credentials ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class EtcdAuth:
+    """How one process authenticates to etcd and whether it speaks TLS to it: what
+    kvstore/directory/etcd_client.py needs to open a channel. Built from the ``etcd_*``
+    settings of :class:`EtcdAccess` (every config that reaches etcd carries them).
+
+    Attributes:
+        user / password: an etcd user; etcd's auth must be enabled and the user's role
+            grant read-write on the cluster's prefix (``/kvstore/<cluster>/``). Both or
+            neither.
+        ca: PEM file of the CA that signed etcd's server certificate; set (or ``cert``
+            set), the channel is TLS.
+        cert / key: PEM client certificate and key, for an etcd run with
+            ``--client-cert-auth``. Both or neither.
+    """
+
+    user: str = ""
+    password: str = field(default="", repr=False)
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        if bool(self.user) != bool(self.password):
+            raise ConfigError("etcd_user and etcd_password: set both or neither")
+        if bool(self.cert) != bool(self.key):
+            raise ConfigError("etcd_cert and etcd_key: set both or neither")
+        for name in ("ca", "cert", "key"):
+            path = getattr(self, name)
+            if path and not os.path.isfile(path):
+                raise ConfigError(f"etcd_{name}: no such file {path!r}")
+
+    @property
+    def tls(self) -> bool:
+        """Whether the channel to etcd is TLS."""
+        return bool(self.ca or self.cert)
+
+    @property
+    def empty(self) -> bool:
+        """No credentials and no TLS: a plain channel, as to an etcd without auth."""
+        return not (self.user or self.tls)
+
+    def settings(self) -> dict[str, str]:
+        """The ``etcd_*`` settings that are set, for :func:`child_env` (how ``kvstore
+        up`` hands them to its children: environment, never flags)."""
+        values = zip(
+            ("etcd_user", "etcd_password", "etcd_ca", "etcd_cert", "etcd_key"),
+            (self.user, self.password, self.ca, self.cert, self.key),
+            strict=True,
+        )
+        return {name: v for name, v in values if v}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EtcdAccess:
+    """The ``etcd_*`` settings every config that reaches etcd shares (the server's
+    membership, the cluster client, the admin commands, the serving workers), so one set
+    of ``KVSTORE_ETCD_*`` variables reaches a cluster's etcd from all of them.
+
+    Attributes:
+        etcd_user / etcd_password: etcd user and password (``KVSTORE_ETCD_PASSWORD``:
+            keep it out of flags, which show up in ps).
+        etcd_ca: PEM CA of etcd's server certificate (turns on TLS).
+        etcd_cert / etcd_key: PEM client certificate and key (etcd's
+            ``--client-cert-auth``).
+    """
+
+    etcd_user: str = ""
+    etcd_password: str = field(default="", repr=False)
+    etcd_ca: str = ""
+    etcd_cert: str = ""
+    etcd_key: str = ""
+
+    @property
+    def etcd_auth(self) -> EtcdAuth:
+        """These settings as one validated value (ConfigError names the bad one)."""
+        return EtcdAuth(
+            self.etcd_user, self.etcd_password, self.etcd_ca, self.etcd_cert, self.etcd_key
+        )
+
+
 # -- server and client ------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
-class ServerConfig:
+class ServerConfig(EtcdAccess):
     """How ``kvstore serve`` listens, authenticates and bounds requests.
 
     Attributes:
@@ -184,6 +270,8 @@ class ServerConfig:
         metrics_host: address the Prometheus endpoint binds (loopback by default: it
             names tenants).
         metrics_port: port of ``/metrics``; -1 serves none, 0 picks a free one.
+
+    The ``etcd_*`` credentials of :class:`EtcdAccess` apply to the directory at ``etcd``.
     """
 
     host: str = "127.0.0.1"
@@ -214,6 +302,7 @@ class ServerConfig:
         if not self.host or any(c.isspace() for c in self.host):
             raise ConfigError(f"host {self.host!r}: give an address to bind, e.g. 127.0.0.1")
         _check_cluster(self.etcd, self.cluster, allow_standalone=True)
+        self.etcd_auth  # noqa: B018 - validates the etcd_* settings
         _positive(self, "node_lease_ttl_s")
         if any(c.isspace() or c == "/" for c in self.advertise_host):
             raise ConfigError(f"advertise_host {self.advertise_host!r}: give a host name or IP")
@@ -262,7 +351,7 @@ class ServerConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class ClientConfig:
+class ClientConfig(EtcdAccess):
     """How a StoreClient connects, waits and retries.
 
     Attributes:
@@ -294,6 +383,9 @@ class ClientConfig:
         faults: inject failures and stalls under this client, for fault drills (""
             off; ``KVSTORE_FAULTS``): a kvstore/faults.py plan such as
             ``read@10.0.0.7:error=transport:times=3,control.*:delay=0.5``.
+
+    The ``etcd_*`` credentials of :class:`EtcdAccess` apply to a cluster client's
+    directory (``StoreClient.from_etcd``).
     """
 
     token: str = field(default="", repr=False)
@@ -319,6 +411,7 @@ class ClientConfig:
             raise ConfigError(f"tls_ca: no such file {self.tls_ca!r}")
         if self.retries < 0:
             raise ConfigError("retries: must be >= 0")
+        self.etcd_auth  # noqa: B018 - validates the etcd_* settings
         _positive(self, "timeout_s", "connect_timeout_s", "pool_size", "max_reply_bytes")
         if self.backoff_s < 0:
             raise ConfigError("backoff_s: must be >= 0")
@@ -353,13 +446,15 @@ class ClientConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class ClusterConfig:
+class ClusterConfig(EtcdAccess):
     """Where a cluster's directory lives, for the commands that read it (``kvstore
-    nodes``, ``kvstore ls``) and for ``kvstore up --etcd``.
+    nodes``, ``kvstore ls``), for ``kvstore up --etcd`` and the serving workers.
 
     Attributes:
         etcd: ``host:port`` of an etcd member (``KVSTORE_ETCD``).
         cluster: the cluster's name (``KVSTORE_CLUSTER``).
+
+    Plus the ``etcd_*`` credentials of :class:`EtcdAccess`.
     """
 
     etcd: str = "127.0.0.1:2379"
@@ -367,6 +462,7 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         _check_cluster(self.etcd, self.cluster, allow_standalone=False)
+        self.etcd_auth  # noqa: B018 - validates the etcd_* settings
 
 
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")

@@ -23,8 +23,10 @@ pytest_plugins = ["tests.support.server_fixtures", "tests.support.etcd_fixtures"
 # Fixtures whose setup starts processes, or which hand the test a factory that does.
 PROCESS_FIXTURES = frozenset(
     {
+        "etcd_locked",
         "etcd_private",
         "etcd_server",
+        "etcd_tls",
         "pair",
         "server_factory",
         "shared",

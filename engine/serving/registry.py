@@ -13,7 +13,10 @@ The router keeps :class:`WorkerView`, a dict of live records fed by one etcd wat
 (list at revision R, watch from R+1; any watch failure re-lists), read synchronously
 from the request path: choosing a worker never costs an etcd round trip.
 
-aetcd's errors stay inside this module: callers see records or kvstore errors.
+etcd's credentials and TLS (``KVSTORE_ETCD_USER``/``_PASSWORD``/``_CA``/``_CERT``/``_KEY``,
+kvstore/config.py EtcdAccess) are read from the environment, as the store clients of the
+same process read theirs, unless given; kvstore/directory/etcd_client.py opens the
+channel. aetcd's errors stay inside this module: callers see records or kvstore errors.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kvstore.config import ClusterConfig, load_layered
+from kvstore.config import ClusterConfig, EtcdAccess, EtcdAuth, load_layered
 from kvstore.errors import ConfigError, DirectoryError, Unavailable
 
 __all__ = [
@@ -126,25 +129,26 @@ class WorkerRecord:
             raise DirectoryError(f"malformed worker record: {raw[:200]!r}") from exc
 
 
-def _split(endpoint: str) -> tuple[str, int]:
-    host, sep, port = endpoint.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ConfigError(f"etcd endpoint {endpoint!r}: expected host:port")
-    return host, int(port)
+def _auth(auth: EtcdAuth | None) -> EtcdAuth:
+    """``auth``, or the ``KVSTORE_ETCD_*`` settings when None."""
+    if auth is not None:
+        return auth
+    access: EtcdAccess = load_layered(EtcdAccess)
+    return access.etcd_auth
 
 
-async def _client(endpoint: str) -> Any:
-    import aetcd
+async def _client(endpoint: str, auth: EtcdAuth, prefix: bytes) -> Any:
+    from kvstore.directory.etcd import translate  # aetcd is optional
+    from kvstore.directory.etcd_client import etcd_client
 
-    host, port = _split(endpoint)
-    client = aetcd.Client(host, port)
+    client = etcd_client(endpoint, auth)
     try:
         await client.connect()
-        await client.get(b"/kvstore/")  # fail fast if etcd is down
+        await client.get(prefix)  # fail fast if etcd is down or refuses us
     except Exception as exc:
         with contextlib.suppress(Exception):
             await client.close()
-        raise Unavailable(f"etcd {endpoint}: {exc}") from exc
+        raise translate(exc, f"{endpoint} connect") from exc
     return client
 
 
@@ -159,9 +163,15 @@ class WorkerRegistration:
     """
 
     def __init__(
-        self, endpoint: str, cluster: str, *, ttl: int = 10, min_interval_s: float = 0.2
+        self,
+        endpoint: str,
+        cluster: str,
+        *,
+        ttl: int = 10,
+        min_interval_s: float = 0.2,
+        auth: EtcdAuth | None = None,
     ) -> None:
-        self.endpoint, self.cluster = endpoint, cluster
+        self.endpoint, self.cluster, self.auth = endpoint, cluster, _auth(auth)
         self.ttl, self.min_interval_s = ttl, min_interval_s
         self._client: Any = None
         self._lease: Any = None
@@ -177,7 +187,7 @@ class WorkerRegistration:
 
     async def start(self, record: WorkerRecord) -> None:
         self._record = record
-        self._client = await _client(self.endpoint)
+        self._client = await _client(self.endpoint, self.auth, workers_prefix(self.cluster))
         await self._register()
         self._task = asyncio.create_task(self._run(), name="worker-registration")
 
@@ -245,8 +255,11 @@ class WorkerView:
     mutated key by key by the watch, all on that same loop.
     """
 
-    def __init__(self, endpoint: str, cluster: str, *, retry_s: float = 0.5) -> None:
+    def __init__(
+        self, endpoint: str, cluster: str, *, retry_s: float = 0.5, auth: EtcdAuth | None = None
+    ) -> None:
         self.endpoint, self.cluster, self.retry_s = endpoint, cluster, retry_s
+        self.auth = _auth(auth)
         self._workers: dict[str, WorkerRecord] = {}
         self._task: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
@@ -286,7 +299,7 @@ class WorkerView:
         while True:
             client = None
             try:
-                client = await _client(self.endpoint)
+                client = await _client(self.endpoint, self.auth, prefix)
                 got = await client.get_prefix(prefix)
                 fresh: dict[str, WorkerRecord] = {}
                 for kv in got:
@@ -343,7 +356,8 @@ class WorkerView:
 
 def resolve_directory(args: Any) -> Any:
     """Fill ``args.etcd`` / ``args.cluster`` from flags, then ``KVSTORE_ETCD`` /
-    ``KVSTORE_CLUSTER``, then the defaults (kvstore/config.py reads the environment)."""
+    ``KVSTORE_CLUSTER``, then the defaults (kvstore/config.py reads the environment).
+    The etcd credentials are checked here too, so a bad one fails at start."""
     cfg = load_layered(ClusterConfig, flags={"etcd": args.etcd, "cluster": args.cluster})
     args.etcd, args.cluster = cfg.etcd, cfg.cluster
     return args

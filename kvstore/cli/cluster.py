@@ -7,6 +7,11 @@ what clients would route by (``nodes`` says which are draining: clients write
 elsewhere). Block keys in ``ls`` are the keys nodes store: each tenant's keys are
 scoped hashes (kvstore/server/auth.py), not the keys a client sent.
 
+An etcd with auth or TLS is read with the ``etcd_*`` settings (kvstore/config.py
+EtcdAccess): ``--etcd-user``, ``--etcd-ca``, ``--etcd-cert``, ``--etcd-key``, and the
+password from ``KVSTORE_ETCD_PASSWORD`` only (flags show up in ps). ``up`` hands them
+to every node and worker it starts, through their environment.
+
 Directory entries carry no namespace, so ``ls --tenant``/``--namespace`` asks every
 live node instead, through the admin Scan RPC (an admin token, as ``kvstore evict``
 needs): each node resolves the tenant and model to the namespaces its requests used
@@ -28,7 +33,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from kvstore.cli.fmt import fmt_bytes
-from kvstore.config import ClusterConfig, load_layered
+from kvstore.config import ClusterConfig, EtcdAuth, load_layered
 from kvstore.directory.base import NodeInfo, Replica
 from kvstore.directory.mirror import Mirror
 from kvstore.errors import AuthError, ConfigError, KVStoreError, PermissionDenied
@@ -54,6 +59,26 @@ examples:
 Keys are stored keys (tenant-scoped hashes). --tenant/--namespace select blocks
 written with a model scope, as 'kvstore evict' does.
 """
+
+
+_ETCD_FLAGS = {
+    "etcd_user": "etcd user (password: KVSTORE_ETCD_PASSWORD)",
+    "etcd_ca": "PEM CA of etcd's certificate (TLS)",
+    "etcd_cert": "PEM client certificate for etcd",
+    "etcd_key": "PEM key of --etcd-cert",
+}
+
+
+def _add_etcd_flags(p: argparse.ArgumentParser) -> None:
+    for name, text in _ETCD_FLAGS.items():
+        p.add_argument("--" + name.replace("_", "-"), dest=name, help=text)
+
+
+def _cluster_config(args: argparse.Namespace, **flags: Any) -> ClusterConfig:
+    """Flags, then ``KVSTORE_*``, then defaults: the directory and its credentials."""
+    flags.update({name: getattr(args, name) for name in _ETCD_FLAGS})
+    cfg: ClusterConfig = load_layered(ClusterConfig, flags=flags)
+    return cfg
 
 
 def add_parser(sub: Any) -> None:
@@ -87,6 +112,7 @@ def add_parser(sub: Any) -> None:
     up.add_argument("--router-port", type=int, default=8000, help="router port (0 picks one)")
     up.add_argument("--policy", default="cache_aware", help="router placement policy")
     up.add_argument("--json", action="store_true", help="print the ready document as JSON")
+    _add_etcd_flags(up)
     up.set_defaults(func=_cmd_up)
 
     for name, helptext, example, fn in (
@@ -103,6 +129,7 @@ def add_parser(sub: Any) -> None:
         p.add_argument("--etcd", help="etcd HOST:PORT (default: KVSTORE_ETCD or 127.0.0.1:2379)")
         p.add_argument("--cluster", help="cluster name (default: KVSTORE_CLUSTER or 'default')")
         p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+        _add_etcd_flags(p)
         p.set_defaults(func=fn)
         if name == "ls":
             p.add_argument("--node", help="only this node's entries (node id)")
@@ -132,7 +159,7 @@ def add_parser(sub: Any) -> None:
 def _cmd_up(args: argparse.Namespace) -> int:
     from kvstore.cli.local_cluster import LocalCluster
 
-    cfg = load_layered(ClusterConfig, flags={"cluster": args.cluster})
+    cfg = _cluster_config(args, cluster=args.cluster)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -147,13 +174,14 @@ def _cmd_up(args: argparse.Namespace) -> int:
         tokens_file=args.tokens_file,
         allow_anonymous=args.allow_anonymous,
         node_lease_ttl_s=args.node_lease_ttl_s,
+        etcd_auth=cfg.etcd_auth,
     )
     pool = None
     try:
         cluster.start()
         doc = {"event": "ready", **cluster.describe()}
         if args.prefill or args.decode or args.both or args.router:
-            pool = _serving_pool(args, cluster).start()
+            pool = _serving_pool(args, cluster, cfg.etcd_auth).start()
             doc["serving"] = pool.describe()
         if args.json:
             print(json.dumps(doc), flush=True)
@@ -168,7 +196,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             print("kvstore up: stopped", flush=True)
 
 
-def _serving_pool(args: argparse.Namespace, cluster: Any) -> Any:
+def _serving_pool(args: argparse.Namespace, cluster: Any, etcd_auth: EtcdAuth) -> Any:
     """Workers beside the nodes (worker i on node i mod N) and the router, as processes."""
     from engine.serving.launch import PoolSpec, ServingPool
 
@@ -180,7 +208,8 @@ def _serving_pool(args: argparse.Namespace, cluster: Any) -> Any:
         router_port=args.router_port,
         host=args.host,
     )
-    settings = {"token": cluster.token} if cluster.token is not None else {}
+    settings: dict[str, Any] = {"token": cluster.token} if cluster.token is not None else {}
+    settings.update(etcd_auth.settings())
     return ServingPool(
         spec,
         etcd=cluster.etcd_endpoint,
@@ -246,12 +275,12 @@ async def _with_mirror(cfg: ClusterConfig, fn: Callable[[Mirror], T]) -> T:
         raise ConfigError(
             f"reading etcd needs aetcd (pip install 'kvstore[service]'): {exc}"
         ) from None
-    async with EtcdDirectory(cfg.etcd, cfg.cluster) as d:
+    async with EtcdDirectory(cfg.etcd, cfg.cluster, auth=cfg.etcd_auth) as d:
         return fn(await d.mirror())
 
 
 def _read(args: argparse.Namespace, fn: Callable[[Mirror], T]) -> tuple[ClusterConfig, T]:
-    cfg = load_layered(ClusterConfig, flags={"etcd": args.etcd, "cluster": args.cluster})
+    cfg = _cluster_config(args, etcd=args.etcd, cluster=args.cluster)
     coro: Coroutine[Any, Any, T] = _with_mirror(cfg, fn)
     return cfg, asyncio.run(coro)
 

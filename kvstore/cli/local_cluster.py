@@ -14,7 +14,8 @@ does not leave nodes behind.
 Authentication: nodes take a tokens file or ``allow_anonymous`` when asked to; else
 the token in the environment (as config.py reads it); else a fresh random token,
 handed to the children through their environment (never a flag: flags show in ``ps``)
-and reported back so the caller can print it.
+and reported back so the caller can print it. Credentials for an external etcd
+(``etcd_auth``) reach the nodes the same way.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.cli.children import spawn, stop_group, wait_ready
-from kvstore.config import ServerConfig, child_env, load_layered
+from kvstore.config import EtcdAuth, ServerConfig, child_env, load_layered
 from kvstore.directory.etcd_process import EtcdProcess
 from kvstore.errors import ConfigError
 from kvstore.shm.index import index_name
@@ -97,6 +98,7 @@ class LocalCluster:
         allow_anonymous: bool = False,
         node_lease_ttl_s: float | None = None,
         root: Path | None = None,
+        etcd_auth: EtcdAuth | None = None,
     ) -> None:
         if not 1 <= nodes <= 64:
             raise ConfigError(f"nodes: {nodes} (use 1-64)")
@@ -111,6 +113,8 @@ class LocalCluster:
         self.nodes: list[NodeProcess] = []
         self.token: str | None = None  # set when this cluster generated it
         self._auth_flags, self._env = self._auth(tokens_file, allow_anonymous)
+        if etcd_auth is not None:  # an etcd with auth/TLS: nodes get it as their parent did
+            self._env.update(child_env(etcd_auth.settings(), base={}))
         self._own_root = root is None
         self.root = Path(tempfile.mkdtemp(prefix="kvstore-up-")) if root is None else root
 

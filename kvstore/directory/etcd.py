@@ -21,6 +21,11 @@ etcd compacted past the mirror without the watch saying so: etcd 3.4 (Debian's
 3.4.23 among them) can leave a slow watcher that a compaction passes neither fed nor
 cancelled (etcd-io/etcd#17529), and a mirror must not sit on a wedged stream.
 
+With ``auth`` (:class:`~kvstore.config.EtcdAuth`) the channel is TLS and/or carries
+etcd's auth token (kvstore/directory/etcd_client.py). An etcd that refuses the
+credentials, or a call without them, is an AuthError naming the cause; a user whose
+role does not cover the cluster's prefix gets PermissionDenied.
+
 aetcd and grpc errors are translated into kvstore.errors here and nowhere else.
 """
 
@@ -37,7 +42,9 @@ import aetcd.exceptions
 import grpc
 from aetcd import rpc
 
+from kvstore.config import EtcdAuth
 from kvstore.directory.base import NodeInfo
+from kvstore.directory.etcd_client import etcd_client
 from kvstore.directory.mirror import (
     DEL_BLOCK,
     DEL_NODE,
@@ -60,7 +67,7 @@ from kvstore.errors import (
 )
 from kvstore.tiering import TierKind
 
-__all__ = ["EtcdDirectory", "block_key", "cluster_prefix", "node_key"]
+__all__ = ["EtcdDirectory", "block_key", "cluster_prefix", "node_key", "translate"]
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +107,9 @@ class _Compacted(DirectoryError):
     """The revision a reader needs is gone: re-list (never leaves this module)."""
 
 
-def _translate(exc: BaseException, what: str) -> KVStoreError:
-    """One foreign error -> the kvstore error a caller can act on."""
+def translate(exc: BaseException, what: str) -> KVStoreError:
+    """One foreign error -> the kvstore error a caller can act on (also for the serving
+    registry's aetcd calls, engine/serving/registry.py: one mapping for both)."""
     cause: BaseException = exc
     if isinstance(exc, aetcd.exceptions.ClientError) and isinstance(exc.__cause__, grpc.RpcError):
         cause = exc.__cause__
@@ -119,7 +127,13 @@ def _translate(exc: BaseException, what: str) -> KVStoreError:
         if code == grpc.StatusCode.UNAUTHENTICATED:
             return AuthError(msg)
         if code == grpc.StatusCode.PERMISSION_DENIED:
-            return PermissionDenied(msg)
+            return PermissionDenied(f"{msg} (does the user's role cover the cluster prefix?)")
+        if code == grpc.StatusCode.INVALID_ARGUMENT and "user name is empty" in details:
+            return AuthError(f"{msg}: etcd has auth enabled; set etcd_user and etcd_password")
+        if code == grpc.StatusCode.INVALID_ARGUMENT and "authentication failed" in details:
+            return AuthError(f"{msg}: check etcd_user and etcd_password")
+        if code == grpc.StatusCode.FAILED_PRECONDITION and "auth" in details:
+            return AuthError(f"{msg}: etcd_user is set but this etcd does not use auth")
         return DirectoryError(f"{msg} ({code.name})")
     if isinstance(exc, aetcd.exceptions.RevisionCompactedError):
         return _Compacted(f"etcd {what}: {exc}")
@@ -138,7 +152,7 @@ def _etcd_errors(what: str) -> Iterator[None]:
     except KVStoreError:
         raise
     except (TimeoutError, aetcd.exceptions.ClientError, grpc.RpcError) as exc:
-        raise _translate(exc, what) from exc
+        raise translate(exc, what) from exc
 
 
 def _build_txns(head: bytes, tail: bytes, lease: int, ops: list[WriteOp]) -> list[rpc.TxnRequest]:
@@ -171,7 +185,8 @@ def _build_txns(head: bytes, tail: bytes, lease: int, ops: list[WriteOp]) -> lis
 
 
 class EtcdDirectory(LeasedDirectory):
-    """:class:`Directory` on etcd. ``endpoint`` is ``host:port`` of one etcd member.
+    """:class:`Directory` on etcd. ``endpoint`` is ``host:port`` of one etcd member;
+    ``auth`` its credentials and TLS (None: a plaintext channel, no auth).
 
     ``timeout`` bounds every unary call; ``max_inflight`` is how many write
     transactions one flush keeps in flight; ``page`` is the re-list page size;
@@ -184,6 +199,7 @@ class EtcdDirectory(LeasedDirectory):
         endpoint: str = "127.0.0.1:2379",
         cluster: str = "default",
         *,
+        auth: EtcdAuth | None = None,
         timeout: float = 5.0,
         max_inflight: int = 4,
         page: int = 10_000,
@@ -199,7 +215,7 @@ class EtcdDirectory(LeasedDirectory):
             raise ConfigError("watch_check_s must be > 0")
         self._watch_check_s = watch_check_s
         self.endpoint = endpoint
-        self._host, self._port = host, int(port)
+        self._auth = auth
         self._timeout = timeout
         self._max_inflight = max_inflight
         self._page = page
@@ -215,9 +231,15 @@ class EtcdDirectory(LeasedDirectory):
         return self._client
 
     async def _connect(self) -> None:
-        self._client = aetcd.Client(self._host, self._port, options=_CHANNEL_OPTIONS)
-        with _etcd_errors("connect"):
-            await self._client.connect()
+        self._client = etcd_client(
+            self.endpoint, self._auth, timeout=self._timeout, options=_CHANNEL_OPTIONS
+        )
+        try:
+            with _etcd_errors("connect"):
+                await self._client.connect()
+        except BaseException:
+            self._client = None
+            raise
         try:
             await self._range(self._prefix, limit=1, count_only=True)  # fail fast if down
         except BaseException:

@@ -117,7 +117,9 @@ class Membership:
         if self.directory is None:
             from kvstore.directory.etcd import EtcdDirectory  # aetcd is optional
 
-            self.directory = EtcdDirectory(self.config.etcd, self.config.cluster)
+            self.directory = EtcdDirectory(
+                self.config.etcd, self.config.cluster, auth=self.config.etcd_auth
+            )
         try:
             await self.directory.open()
             self.registration = await self._register(self.directory)
