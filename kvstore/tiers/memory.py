@@ -2,8 +2,10 @@
 
 DRAM lives in a named POSIX shared-memory segment (``/dev/shm/<name>``) so a client
 on the same host can map it and copy a block out directly, under a pin granted by
-the node; when CUDA exists it is also registered as pinned memory so GPU copies
-from it run at full PCIe speed. HBM is one CUDA ``uint8`` tensor. Both are touched
+the node. It is named by its owner's pid and locked while open, so the segments of
+crashed nodes are reclaimed when the next node starts (kvstore/shm/segment.py). When
+CUDA exists it is also registered as pinned memory so GPU copies from it run at full
+PCIe speed. HBM is one CUDA ``uint8`` tensor. Both are touched
 page by page at start: fresh pages fault on first touch at a fraction of memcpy
 speed, and that cost belongs to start-up, not to the first requests.
 
@@ -25,7 +27,7 @@ import numpy as np
 
 from kvstore.blocks import HEADER_SIZE, BlockHeader, checksum, copy_payload, host_bytes
 from kvstore.errors import ClosedError, ConfigError
-from kvstore.shm.segment import SHM_DIR, map_segment
+from kvstore.shm.segment import SHM_DIR, hold_segment, map_segment, owned_name, sweep_stale
 from kvstore.tiering import TierKind
 from kvstore.tiers.alloc import ExtentAllocator
 from kvstore.tiers.base import HostPayload, Payload, Tier
@@ -56,14 +58,18 @@ class MemoryTier(Tier):
         self._closed = False
         self._registered = False
         self._mm: mmap.mmap | None = None
+        self._hold_fd: int | None = None
         if kind is TierKind.DRAM:
-            self.shm_name = shm_name or f"kvstore-{os.getpid()}-{secrets.token_hex(4)}"
+            self.shm_name = shm_name or owned_name(secrets.token_hex(4))
             if shm_name:
                 # A configured name belongs to this node: a segment left under it is the
                 # previous incarnation's (killed before it could unlink), so replace it.
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(SHM_DIR, shm_name))
+            else:  # named by pid: crashed nodes' segments are found and reclaimed
+                sweep_stale()
             self._mm = map_segment(self.shm_name, self._alloc.capacity, create=True)
+            self._hold_fd = hold_segment(self.shm_name)
             self._host = np.frombuffer(self._mm, dtype=np.uint8)
             if warm:
                 self._host[::_PAGE] = 0
@@ -169,6 +175,9 @@ class MemoryTier(Tier):
                 self._mm.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(SHM_DIR, self.shm_name or ""))
+            if self._hold_fd is not None:
+                os.close(self._hold_fd)
+                self._hold_fd = None
         else:
             del self._dev
 
