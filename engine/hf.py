@@ -8,6 +8,14 @@ namespace, so a different model or dtype computes different keys and can never
 load this KV; a block that still arrives with the wrong geometry is refused by
 the store's layout check.
 
+With ``kv_codec`` (``"fp8"`` or ``"int8"``, see :mod:`kvstore.codec`) the namespace's
+layout names the codec, so its keys and fingerprint differ from the uncompressed
+namespace's, and :meth:`HFKVAdapter.put_block` / :meth:`HFKVAdapter.get_block` encode
+before the store and decode after it: the store, the wire and every tier see only the
+compressed bytes (and checksum them), and the engine sees its own dtype. A store that
+still hands back bytes of the wrong size or kind raises, which the readers here treat
+as a miss.
+
 Only batch size 1 is handled: disaggregated workers process one request at a time
 per adapter call, and batching happens above this layer.
 """
@@ -19,6 +27,8 @@ from typing import Any, Protocol
 
 import torch
 
+from kvstore.codec import get_codec, normalize_codec
+from kvstore.codec.base import KVCodec
 from kvstore.errors import KVStoreError, LayoutMismatch
 from kvstore.keys import BlockKey, Namespace, prefix_keys
 
@@ -35,30 +45,44 @@ class BlockStore(Protocol):
     def match_prefix(self, keys: Sequence[bytes]) -> int: ...
 
 
-def layout_of(config: Any, dtype: torch.dtype, block_tokens: int, rank: int = 0) -> str:
-    """The layout string of a model's KV: ``bfloat16:L30:H3:D64:B16:R0``."""
+def layout_of(
+    config: Any, dtype: torch.dtype, block_tokens: int, rank: int = 0, codec: str | None = None
+) -> str:
+    """The layout string of a model's KV: ``bfloat16:L30:H3:D64:B16:R0``, with
+    ``:Cint8`` (say) appended when its blocks are stored compressed."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     name = str(dtype).removeprefix("torch.")
-    return f"{name}:L{text.num_hidden_layers}:H{kv_heads}:D{head_dim}:B{block_tokens}:R{rank}"
+    layout = f"{name}:L{text.num_hidden_layers}:H{kv_heads}:D{head_dim}:B{block_tokens}:R{rank}"
+    codec = normalize_codec(codec)
+    return layout if codec is None else f"{layout}:C{codec}"
 
 
 class HFKVAdapter:
     """Cuts a DynamicCache into store blocks and rebuilds one from stored blocks."""
 
     def __init__(
-        self, model: Any, *, model_id: str, block_tokens: int = 16, tenant: str = "default"
+        self,
+        model: Any,
+        *,
+        model_id: str,
+        block_tokens: int = 16,
+        tenant: str = "default",
+        kv_codec: str | None = None,
     ) -> None:
         self.model = model
         self.block_tokens = block_tokens
         self.dtype: torch.dtype = model.dtype
-        self.namespace = Namespace(
-            model_id, layout_of(model.config, self.dtype, block_tokens), tenant
-        )
+        layout = layout_of(model.config, self.dtype, block_tokens, codec=kv_codec)
+        self.namespace = Namespace(model_id, layout, tenant)
         self.layout = self.namespace.kv_layout
-        self.block_shape = self.layout.block_shape()
+        self.block_shape = self.layout.block_shape()  # the engine's block, whatever is stored
+        self.codec: KVCodec | None = (
+            None if self.layout.codec is None else get_codec(self.layout.codec)
+        )
+        self.stored_block_bytes = self.layout.block_bytes()  # what the store holds per block
 
     def keys(self, token_ids: Sequence[int] | torch.Tensor) -> list[BlockKey]:
         """Keys of the prompt's full blocks."""
@@ -131,10 +155,11 @@ class HFKVAdapter:
         if n == 0:
             return 0, None
         buf = torch.empty((n, *self.block_shape), dtype=self.dtype)
+        staging = self._staging()
         got = 0
         for i in range(n):
             try:
-                ok = store.get_into(keys[i], buf[i], namespace=self.namespace)
+                ok = self.get_block(store, keys[i], buf[i], staging=staging)
             except KVStoreError:
                 ok = False
             if not ok:
@@ -148,6 +173,50 @@ class HFKVAdapter:
         """Write full blocks ``start..len(keys)-1`` from ``cache``; returns how many were new."""
         new = 0
         for j, block in enumerate(self.blocks_from_cache(cache, start, len(keys)), start):
-            if store.put(keys[j], block, namespace=self.namespace):
+            if self.put_block(store, keys[j], block):
                 new += 1
         return new
+
+    def put_block(self, store: BlockStore, key: bytes, block: torch.Tensor) -> bool:
+        """Put one engine block under this namespace, compressed first when the layout
+        says so (the store gets, checks and checksums the codec's bytes). True when new.
+
+        Raises InvalidValue for a block the codec refuses (inf or nan): storing it
+        would hand garbage to every reader of the prefix.
+        """
+        if self.codec is None:
+            return store.put(key, block, namespace=self.namespace)
+        data = self.codec.encode(block).cpu()
+        return store.put(key, data.numpy().data, namespace=self.namespace)
+
+    def get_block(
+        self,
+        store: BlockStore,
+        key: bytes,
+        out: torch.Tensor,
+        *,
+        staging: torch.Tensor | None = None,
+    ) -> bool:
+        """Read one block into ``out`` (the engine's dtype and block shape), decoding it
+        when the layout is compressed. False on a miss; raises KVStoreError for bytes
+        that do not fit (which callers here count as a miss, never as KV).
+
+        ``staging`` (uint8, :attr:`stored_block_bytes`) lands the compressed bytes;
+        one is allocated when not given.
+        """
+        if self.codec is None:
+            return store.get_into(key, out, namespace=self.namespace)
+        raw = (
+            torch.empty(self.stored_block_bytes, dtype=torch.uint8) if staging is None else staging
+        )
+        if not store.get_into(key, raw, namespace=self.namespace):
+            return False
+        self.codec.decode(raw, out)
+        return True
+
+    def _staging(self) -> torch.Tensor | None:
+        """A landing buffer for one compressed block, reused across a prefix's reads;
+        None when blocks land as they are."""
+        if self.codec is None:
+            return None
+        return torch.empty(self.stored_block_bytes, dtype=torch.uint8)

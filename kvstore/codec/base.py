@@ -66,7 +66,8 @@ def _as_bytes(data: Any) -> torch.Tensor:
     if isinstance(data, torch.Tensor):
         t = data.reshape(-1).view(torch.uint8) if data.dtype != torch.uint8 else data.reshape(-1)
     else:
-        t = torch.frombuffer(memoryview(data).cast("B"), dtype=torch.uint8)
+        mv = memoryview(data).cast("B")
+        t = torch.frombuffer(bytearray(mv) if mv.readonly else mv, dtype=torch.uint8)
     if t.storage_offset() % SCALE_BYTES:
         t = t.clone()
     return t
@@ -109,6 +110,10 @@ class ScaledCodec(KVCodec):
                 f"refusing to {self.name}-encode it (it would decode to garbage)"
             )
         scale = amax / self.qmax
+        # qmax * scale may round past float32's max for a head near it: step the scale
+        # down one ulp there (its top element then clamps to qmax), so decode stays finite.
+        big = ~torch.isfinite(scale * self.qmax)
+        scale = torch.where(big, torch.nextafter(scale, torch.zeros_like(scale)), scale)
         x.div_(torch.where(scale > 0, scale, 1.0).unsqueeze(1))
         out = torch.empty(encoded_nbytes(block.shape), dtype=torch.uint8, device=block.device)
         n = rows * SCALE_BYTES
