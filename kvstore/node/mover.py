@@ -59,7 +59,8 @@ class TierMover:
             place = self._copy_down(e, level)
         except KVStoreError as exc:
             log.warning("demotion of %s failed, dropping it: %s", e.key.hex(), exc)
-        self._index.end_demotion(e, level + 1, place)
+        finally:  # whatever happened, the victim stops MOVING and waiters are woken
+            self._index.end_demotion(e, level + 1, place)
 
     def _copy_down(self, e: Entry, level: int) -> int:
         src = self._tiers[level].payload(e.place, e.header.payload_len)
