@@ -434,7 +434,7 @@ class BlockIndex:
         e.kept = None
         self._move_locked(e, level, place)
         self._counters.inc(f"demotions_{src}")
-        self._counters.inc("demotions_to_kept")
+        self._counters.inc("kept_copies_reused")
         if e.pins == 0:
             self._release_stale_locked(e)
 

@@ -87,7 +87,7 @@ def test_a_promoted_block_keeps_its_ssd_copy_across_a_restart(tmp_path: Path) ->
             assert node.get_into(k, out) and out[0] == i
             assert node.tier_of(k) is TierKind.DRAM
         node.evict(TierKind.DRAM, 0)  # demoting them again: back onto their kept copies
-        assert node.counters.get("demotions_to_kept") == 3
+        assert node.counters.get("kept_copies_reused") == 3
         for k in keys[:2]:
             assert node.get_into(k, out)  # promoted once more, still with a copy below
     with _small_node(tmp_path / "ssd") as node:  # DRAM is gone: what the SSD kept
