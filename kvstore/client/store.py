@@ -344,7 +344,10 @@ class NodeClient:
     def _deadline(self, timeout: float | None) -> float:
         return time.monotonic() + (self.config.timeout_s if timeout is None else timeout)
 
-    def _data(self, fn: DataCall[T], timeout: float | None, deadline: float | None = None) -> T:
+    def _data(self, fn: DataCall[T], timeout: float | None) -> T:
+        return self._data_until(fn, self._deadline(timeout))
+
+    def _data_until(self, fn: DataCall[T], deadline: float) -> T:
         self._check_open()
         pool = self._pool
         assert pool is not None
@@ -356,16 +359,17 @@ class NodeClient:
             finally:
                 pool.give_back(link)
 
-        return self._retry(attempt, self._deadline(timeout) if deadline is None else deadline)
+        return self._retry(attempt, deadline)
 
     def _per_item(
         self, call: Callable[[list[int]], DataCall[list[Any]]], n: int, timeout: float | None
     ) -> list[Any]:
         """A batch call whose keys failing with a retryable error are sent again (only
-        they), with backoff, ``retries`` times within the call's deadline."""
+        they), with backoff, ``retries`` times within the call's deadline. A retry that
+        fails as a whole leaves those keys their earlier errors: the keys done stay done."""
         deadline = self._deadline(timeout)
         idx = list(range(n))
-        results = self._data(call(idx), timeout, deadline)
+        results = self._data_until(call(idx), deadline)
         for tries in range(1, self.config.retries + 1):
             idx = [i for i in idx if isinstance(results[i], KVStoreError) and results[i].retryable]
             left = deadline - time.monotonic()
@@ -373,7 +377,11 @@ class NodeClient:
                 break
             self.counters.inc("item_retries", len(idx))
             time.sleep(min(self._backoff(tries), left))
-            for i, r in zip(idx, self._data(call(idx), timeout, deadline), strict=True):
+            try:
+                again = self._data_until(call(idx), deadline)
+            except KVStoreError:
+                break
+            for i, r in zip(idx, again, strict=True):
                 results[i] = r
         return results
 
