@@ -1,0 +1,64 @@
+"""A 60 s soak (benchmarks/soak.py): two clients, three nodes, a fault every 15 s (a
+node SIGKILLed and restarted, one SIGSTOPped past its lease, etcd restarted). Every
+read is checked byte for byte; no wrong bytes, no process or segment leaks, and a
+frozen node leaves every client's mirror within TTL + 1 s."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks.soak import SoakConfig, run, table
+from tests.support.etcd_fixtures import require_etcd
+
+pytest.importorskip("aetcd")
+
+pytestmark = pytest.mark.process
+
+ISSUE_18 = (
+    "issue 18: a node that hangs takes a cluster call's whole deadline instead of "
+    "failing over (the deadline split in kvstore/client/cluster.py)"
+)
+
+
+def test_a_minute_of_faults_reads_no_wrong_bytes_and_leaks_nothing(tmp_path: Path) -> None:
+    require_etcd()
+    cfg = SoakConfig(
+        clients=2,
+        seconds=60.0,
+        fault_every=15.0,
+        warmup_s=8.0,
+        lease_ttl_s=2.0,
+        stop_s=5.0,
+        etcd_down_s=2.0,
+        faults=("stop", "etcd", "kill"),
+    )
+    report = run(cfg, root=tmp_path, log=lambda _: None)
+    print(table(report))  # shown with -s, and kept in the failure report
+    totals = report["totals"]
+
+    assert report["worker_failures"] == []
+    assert totals["ops"] > 1000, totals
+    assert (totals["wrong_reads"], totals["wrong_bytes"]) == (0, 0), totals
+    phases = report["phases"]
+    assert phases["kill"]["count"] == phases["stop"]["count"] == phases["etcd"]["count"] == 1
+    for kind in ("kill", "stop", "etcd"):
+        assert None not in phases[kind]["converge_s"], (kind, phases[kind])
+    left = phases["stop"]["left_mirrors_s"]
+    assert left and left[0] is not None and left[0] <= cfg.lease_ttl_s + 1.0, left
+
+    assert report["leaked_segments"] == []
+    for node, s in report["servers"].items():
+        before, after = s["before"], s["after"]
+        if s["restarts"]:
+            continue  # a new life: its own start is not this baseline
+        assert after["fds"] <= before["fds"], (node, s)
+        # Thread pools (gRPC's, the node's) grow on demand to their bound and keep it.
+        assert after["threads"] <= before["threads"] + 2, (node, s)
+    client = report["client_process"]
+    assert client["after"]["fds"] <= client["before"]["fds"], client
+    assert client["after"]["threads"] <= client["before"]["threads"], client
+
+    if totals["replicated_get_errors"]:
+        pytest.xfail(f"{ISSUE_18}: {totals['replicated_get_errors']} failed gets; {phases}")
