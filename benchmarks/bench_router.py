@@ -219,7 +219,7 @@ def router_cost(stack: Any, n_tokens: int, iters: int) -> dict:
     from engine.serving.placement import Placer, PrefixView
     from engine.serving.prompts import PromptEncoder
     from engine.serving.registry import WorkerView
-    from engine.serving.router import Router
+    from engine.serving.router import encode_request
     from kvstore import Namespace, StoreClient, prefix_keys
 
     tok = load_tokenizer("tiny")
@@ -233,7 +233,7 @@ def router_cost(stack: Any, n_tokens: int, iters: int) -> dict:
     req = SimpleNamespace(kind="chat", messages=[{"role": "user", "content": text}], prompt=None)
     # The tiny model's context is 2048 tokens: the router refuses the whole prompt, so
     # its first 1900 tokens are served (as token ids) to put a cached prefix in the mirror.
-    head = Router.tokenize(PromptEncoder(tok), req)[:1900]
+    head = encode_request(PromptEncoder(tok), req).ids[:1900]
     body = {"model": "tiny", "prompt": head, "max_tokens": 2}
     url = stack.url(stack.policies[0])
     httpx.post(url + "/v1/completions", json=body, timeout=120).raise_for_status()
@@ -258,13 +258,24 @@ def router_cost(stack: Any, n_tokens: int, iters: int) -> dict:
         parts: dict[str, list[float]] = collections.defaultdict(list)
         cached = 0
         enc = PromptEncoder(tok)
-        # Two prompts of ~n_tokens: a first turn (one new 4k-token message: nothing to
-        # reuse, the tokenizer's full cost) and a follow-up (the same history plus a new
-        # short question: only the new pieces are encoded). Every iteration's question
-        # is new, so no iteration is served whole from the cache.
-        for kind in ("first_turn", "follow_up"):
+        # Three prompts of ~n_tokens. novel: a new 4k-token message nothing holds (the
+        # router tokenizes up to the first block no node holds: one chunk). cached_head:
+        # the message whose first 1,900 tokens the cluster holds, its text never seen by
+        # this encoder (a restarted router, or another router's conversation): tokenized
+        # up to the end of the held head. follow_up: the same history plus a new short
+        # question, history pieces cached. Every iteration's question or text is new.
+        n_words = len(text.split())
+        novel = [
+            " ".join(rng.choice(words) for _ in range(n_words)) + f" (novel {i})"
+            for i in range(iters)
+        ]
+        for kind in ("novel", "cached_head", "follow_up"):
+            if kind == "follow_up":  # the earlier turn was served: its pieces are filed
+                enc.encode_chat([{"role": "user", "content": text}])
             for i in range(iters):
-                if kind == "first_turn":
+                if kind == "novel":
+                    msgs = [{"role": "user", "content": novel[i]}]
+                elif kind == "cached_head":
                     msgs = [{"role": "user", "content": f"{text} (question {i})"}]
                 else:
                     msgs = [{"role": "user", "content": text},
@@ -272,13 +283,14 @@ def router_cost(stack: Any, n_tokens: int, iters: int) -> dict:
                             {"role": "user", "content": f"And question {i}?"}]  # fmt: skip
                 r = SimpleNamespace(kind="chat", messages=msgs, prompt=None)
                 t0 = time.perf_counter()
-                ids = Router.tokenize(enc, r)
+                got = encode_request(enc, r, lambda h: placer.all_held(workers, h))
+                ids = got.ids
                 t1 = time.perf_counter()
                 keys = prefix_keys(ids, w0.block_tokens, ns)
                 t2 = time.perf_counter()
                 placer.prefixes.runs(keys)
                 t3 = time.perf_counter()
-                route = placer.place(workers, ids, 16, frozenset(), nodes)
+                route = placer.place(workers, ids, 16, frozenset(), nodes, n_tokens=got.n_tokens)
                 t4 = time.perf_counter()
                 parts[f"{kind}.tokenize"].append(t1 - t0)
                 parts[f"{kind}.keys"].append(t2 - t1)
@@ -291,7 +303,7 @@ def router_cost(stack: Any, n_tokens: int, iters: int) -> dict:
     finally:
         client.close()
     p50 = {k: statistics.median(v) * 1e3 for k, v in parts.items()}
-    for kind in ("first_turn", "follow_up"):
+    for kind in ("novel", "cached_head", "follow_up"):
         place = p50[f"{kind}.place"] - p50[f"{kind}.keys"] - p50[f"{kind}.mirror"]
         p50[f"{kind}.decision"] = max(place, 0.0)
     return {"prompt_tokens": len(ids), "expected_cached": cached,

@@ -43,6 +43,11 @@ class RouterMetrics:
         self.cached_tokens = Counter(
             "kvstore_router_cached_tokens", "Prompt tokens served from the store", registry=r
         )
+        self.worker_tokenized = Counter(
+            "kvstore_router_worker_tokenized",
+            "Requests whose prompt tail the prefill worker tokenized (no node held it)",
+            registry=r,
+        )
         self.decision_s = Histogram(
             "kvstore_router_decision_seconds",
             "Router's own cost per request: tokenize, keys, mirror, decision",

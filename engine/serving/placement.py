@@ -98,6 +98,16 @@ class PrefixView:
             return None
         return None if principal is None else principal.scope_all(keys)
 
+    def longest(self, keys: Sequence[bytes]) -> int:
+        """The longest leading run of ``keys`` any node holds (mirror or own writes)."""
+        if not keys:
+            return 0
+        best = max(self._recent_runs(keys).values(), default=0)
+        scoped = self._scoped(keys) if self.client is not None else None
+        if scoped is not None:
+            best = max(best, max(self.client.mirror.longest_prefix(scoped).values(), default=0))
+        return int(best)
+
     def runs(self, keys: Sequence[bytes]) -> dict[str, list[tuple[TierKind, int]]]:
         """node id -> [(tier, blocks), ...] of its leading run of ``keys``."""
         if not keys:
@@ -258,6 +268,23 @@ class Placer:
             return own
         return max(prefill.seconds(w.load.queued_tokens, 0), own)
 
+    def all_held(self, workers: Sequence[WorkerRecord], ids: Sequence[int]) -> bool:
+        """Is every full block of ``ids`` held by some store node? (While it is, a
+        longer prefix of the prompt may still match; once not, none can.)"""
+        if not workers:
+            return False
+        w0 = workers[0]
+        n = len(ids) // w0.block_tokens
+        if n == 0:
+            return True
+        keys = prefix_keys(ids[: n * w0.block_tokens], w0.block_tokens, Namespace(**w0.namespace))
+        return self.prefixes.longest(keys) >= n
+
+    def keys(self, workers: Sequence[WorkerRecord], ids: Sequence[int]) -> Sequence[bytes]:
+        """The prefix keys of ``ids`` for this model's workers."""
+        w0 = workers[0]
+        return prefix_keys(ids, w0.block_tokens, Namespace(**w0.namespace))
+
     def place(
         self,
         workers: Sequence[WorkerRecord],
@@ -265,8 +292,15 @@ class Placer:
         max_tokens: int,
         exclude: frozenset[str] = frozenset(),
         nodes: Mapping[str, Any] | None = None,
+        *,
+        n_tokens: int | None = None,
     ) -> Route | Refusal:
-        """Choose the workers of one request (``workers``: this model's live ones)."""
+        """Choose the workers of one request (``workers``: this model's live ones).
+
+        ``ids`` may be only the head of the prompt (engine/serving/prompts.py
+        encode_until stops at the first block no node holds); ``n_tokens`` is then the
+        prompt's estimated length, which the cost model uses.
+        """
         live = [w for w in workers if w.worker_id not in exclude]
         prefills = [w for w in live if w.can_prefill]
         decodes = [w for w in live if w.can_decode]
@@ -276,7 +310,7 @@ class Placer:
         ns = Namespace(**w0.namespace)
         keys = prefix_keys(ids, w0.block_tokens, ns)
         runs = self.prefixes.runs(keys)
-        n = len(ids)
+        n = max(n_tokens or 0, len(ids))
         short = n < self.short_prompt_tokens or not prefills
         pool = decodes if short else prefills
         sched = self._scheduler(pool)

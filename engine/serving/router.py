@@ -4,7 +4,10 @@ Per request: tokenize with the model's tokenizer and chat template, compute the
 prompt's prefix keys, read each store node's run of them (and its tier) from the
 directory mirror, let engine/serving/placement.py pick the prefill and decode
 workers with the cost model, then drive them (engine/serving/upstream.py): prefill,
-first token to the client, decode streamed through. A prefill worker that fails
+first token to the client, decode streamed through. A long new chat message is
+tokenized only up to the first block no node holds (:func:`encode_request`); the
+prefill worker tokenizes the rest and returns the whole prompt, which the router's
+encoder files for the conversation's next turn. A prefill worker that fails
 before the client saw anything is retried elsewhere; a decode stream that breaks
 after tokens were sent ends in an OpenAI-style error event.
 
@@ -18,11 +21,12 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,9 +42,9 @@ from engine.serving.openai_api import APIError, GenRequest, chunk, completion, p
 from engine.serving.placement import Placer, PrefixView, Route
 from engine.serving.prompts import PromptEncoder
 from engine.serving.registry import WorkerRecord, WorkerView, resolve_directory
-from engine.serving.upstream import Started, StreamCut, Upstream, WorkerFailed
+from engine.serving.upstream import Started, StreamCut, Upstream, WorkerFailed, WorkerRefused
 
-__all__ = ["Router", "RouterConfig", "add_arguments", "main"]
+__all__ = ["Encoded", "Router", "RouterConfig", "add_arguments", "encode_request", "main"]
 
 log = logging.getLogger(__name__)
 SUSPECT_S = 5.0  # a worker that failed a call is skipped this long (or until it re-registers)
@@ -59,6 +63,39 @@ class RouterConfig:
     retry_after_s: int = 1
     default_max_tokens: int = 256
     upstream_timeout_s: float = 120.0
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """A request's prompt as the router has it: ``ids`` (exact token ids of ``text``
+    minus ``rest``), ``rest`` (text left for the worker to tokenize), and
+    ``n_tokens`` (exact when ``rest`` is empty, else estimated from ``ids``' chars
+    per token)."""
+
+    text: str
+    ids: list[int]
+    rest: str
+    n_tokens: int
+
+
+def encode_request(
+    enc: PromptEncoder, req: Any, keep_going: Callable[[list[int]], bool] | None = None
+) -> Encoded:
+    """The prompt of ``req``; with ``keep_going``, a chat stops early (prompts.py)."""
+    if req.kind == "chat":
+        text = enc.render_chat(req.messages)
+        if keep_going is None:
+            ids = enc.encode_text(text)
+            return Encoded(text, ids, "", len(ids))
+        ids, rest = enc.encode_until(text, keep_going)
+        if not rest:
+            return Encoded(text, ids, "", len(ids))
+        done = max(len(text) - len(rest), 1)
+        est = len(ids) + math.ceil(len(rest) * max(len(ids), 1) / done)
+        return Encoded(text, ids, rest, est)
+    p = req.prompt
+    ids = list(p) if isinstance(p, list) else enc.encode_completion(p)
+    return Encoded("", ids, "", len(ids))
 
 
 class _Detok:
@@ -156,14 +193,11 @@ class Router:
         self.metrics.retries.labels(exc.phase).inc()
         log.warning("%s; placing the request again", exc)
 
-    @staticmethod
-    def tokenize(enc: PromptEncoder, req: GenRequest) -> list[int]:
-        """The request's prompt as token ids (engine/serving/prompts.py)."""
-        if req.kind == "chat":
-            return enc.encode_chat(req.messages)
-        if isinstance(req.prompt, list):
-            return list(req.prompt)
-        return enc.encode_completion(req.prompt)
+    def encode(self, enc: PromptEncoder, req: GenRequest, workers: list[WorkerRecord]) -> Encoded:
+        """The request's prompt, a long new message only as far as routing needs."""
+        if not workers:
+            return encode_request(enc, req)
+        return encode_request(enc, req, lambda head: self.placer.all_held(workers, head))
 
     # -- one request -----------------------------------------------------------------------
 
@@ -175,7 +209,8 @@ class Router:
                 param="model", code="model_not_found",
             )  # fmt: skip
         enc = await self.tokenizer(req.model)
-        ids = self.tokenize(enc, req)
+        prompt = self.encode(enc, req, self.workers(req.model))
+        ids = prompt.ids
         tok = enc.tokenizer
         eos = sorted({i for i in (tok.eos_token_id,) if isinstance(i, int)})
         exclude: set[str] = set()
@@ -186,7 +221,7 @@ class Router:
             if not workers:
                 break
             ctx = min(w.max_context for w in workers)
-            if len(ids) + req.max_tokens > ctx:
+            if not prompt.rest and len(ids) + req.max_tokens > ctx:  # else the worker checks
                 raise APIError(
                     400,
                     f"This model's maximum context length is {ctx} tokens. However, you "
@@ -197,7 +232,9 @@ class Router:
                     code="context_length_exceeded",
                 )
             nodes = self.store_client.nodes() if self.store_client is not None else {}
-            placed = self.placer.place(workers, ids, req.max_tokens, frozenset(exclude), nodes)
+            placed = self.placer.place(
+                workers, ids, req.max_tokens, frozenset(exclude), nodes, n_tokens=prompt.n_tokens
+            )
             if attempt == 0:
                 self.metrics.decision_s.observe(time.perf_counter() - t0)
             if isinstance(placed, Refusal):
@@ -211,17 +248,25 @@ class Router:
             route = placed
             by_id = {w.worker_id: w for w in workers}
             try:
-                started = await self._start(route, req, ids, eos)
+                started = await self._start(route, req, prompt, eos, enc)
                 break
             except WorkerFailed as exc:
                 exclude.add(exc.worker_id)
                 self._failed(exc, by_id)
+            except WorkerRefused as exc:  # the request's fault: elsewhere would fail alike
+                e = exc.error
+                raise APIError(
+                    400, str(e.get("message", "bad request")),
+                    type=str(e.get("type") or "invalid_request_error"),
+                    param=e.get("param"), code=e.get("code"),
+                ) from exc  # fmt: skip
         if started is None or route is None:
             raise APIError(503, "No worker could serve the request.", type="server_error",
                            code="no_worker")  # fmt: skip
         ttft = time.perf_counter() - t0
+        n_prompt = int(started.info.get("prompt_tokens", len(ids)))
         self.metrics.ttft.labels(self.cfg.policy).observe(ttft)
-        self.metrics.prompt_tokens.inc(len(ids))
+        self.metrics.prompt_tokens.inc(n_prompt)
         self.metrics.cached_tokens.inc(started.cached_tokens)
         kv = self._where(route, started, ttft)
         headers = {
@@ -233,26 +278,27 @@ class Router:
         }
         if req.stream:
             return StreamingResponse(
-                self._sse(req, tok, started, route, len(ids), kv),
+                self._sse(req, tok, started, route, n_prompt, kv),
                 media_type="text/event-stream",
                 headers=headers,
             )
-        return await self._whole(req, tok, started, route, len(ids), kv, headers)
+        return await self._whole(req, tok, started, route, n_prompt, kv, headers)
 
     async def _start(
-        self, route: Route, req: GenRequest, ids: list[int], eos: list[int]
+        self, route: Route, req: GenRequest, prompt: Encoded, eos: list[int], enc: PromptEncoder
     ) -> Started:
         """Run the prefill (or the whole short request) until the first token is in."""
         rid = uuid.uuid4().hex
         out = self.placer.out
         dec = route.decode
-        reserve = len(ids) + req.max_tokens
+        ids, rest = prompt.ids, prompt.rest
+        reserve = prompt.n_tokens + req.max_tokens
         svc = route.estimate.service_s if route.estimate is not None else 0.0
         if route.prefill is None:
             self.metrics.decisions.labels(self.cfg.policy, "both", dec.worker_id).inc()
             out.add(dec.worker_id, prefill_s=svc, running=1, kv=reserve)
             try:
-                st = await self.upstream.generate(dec, rid, ids, req.max_tokens, eos)
+                st = await self.upstream.generate(dec, rid, ids, req.max_tokens, eos, rest)
             except BaseException:
                 out.add(dec.worker_id, running=-1, kv=-reserve)
                 raise
@@ -260,33 +306,47 @@ class Router:
                 out.add(dec.worker_id, prefill_s=-svc)
             out.finished(dec.worker_id)
             st.info["release"] = (dec.worker_id, reserve)
+            st.info.setdefault("prompt_tokens", len(ids))
+            if rest:
+                self.metrics.worker_tokenized.inc()
             shared = int(st.info.get("shared_blocks", -1))
-            if dec.store_node and shared > 0:
+            if dec.store_node and shared > 0 and not rest:
                 self.placer.prefixes.note(dec.store_node, route.keys[:shared])
             return st
         pre = route.prefill
         self.metrics.decisions.labels(self.cfg.policy, "prefill", pre.worker_id).inc()
         out.add(pre.worker_id, prefill_s=svc, running=1)
         try:
-            res = await self.upstream.prefill(pre, rid, ids)
+            res = await self.upstream.prefill(pre, rid, ids, rest, req.max_tokens)
         finally:
             out.add(pre.worker_id, prefill_s=-svc, running=-1)
         out.finished(pre.worker_id)
         h = res["handoff"]
+        full = [int(t) for t in h["prompt"]]
+        keys = route.keys
+        if rest:  # the worker tokenized the rest: file it for the next turn
+            self.metrics.worker_tokenized.inc()
+            if full[: len(ids)] == ids:
+                enc.learn(prompt.text, full)
+            keys = self.placer.keys([pre], full)
         if pre.store_node and int(h.get("shared_blocks", -1)) >= 0:
-            self.placer.prefixes.note(pre.store_node, route.keys[: int(h["shared_blocks"])])
+            self.placer.prefixes.note(pre.store_node, keys[: int(h["shared_blocks"])])
         first = int(h["first_token"])
         cached = int(h["stats"]["cached_blocks"]) * pre.block_tokens
+        info: dict[str, Any] = {"prompt_tokens": len(full)}
         if first in eos or req.max_tokens == 1:
-            return Started(first, cached, None, finish="stop" if first in eos else "length")
+            finish = "stop" if first in eos else "length"
+            return Started(first, cached, None, finish=finish, info=info)
         self.metrics.decisions.labels(self.cfg.policy, "decode", dec.worker_id).inc()
+        reserve = len(full) + req.max_tokens
         out.add(dec.worker_id, running=1, kv=reserve)
         try:
             resp = await self.upstream.decode(dec, h, res["source_node"], req.max_tokens, eos)
         except BaseException:
             out.add(dec.worker_id, running=-1, kv=-reserve)
             raise
-        return Started(first, cached, resp, info={"release": (dec.worker_id, reserve)})
+        info["release"] = (dec.worker_id, reserve)
+        return Started(first, cached, resp, info=info)
 
     def _release(self, st: Started) -> None:
         rel = st.info.pop("release", None)

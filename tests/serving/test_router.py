@@ -73,6 +73,38 @@ def test_openai_client_streams_the_plain_engines_tokens(cluster: ServingCluster)
     assert kv["short_prompt"] is False
 
 
+def test_a_long_new_message_is_tokenized_by_the_worker_and_filed_for_the_next_turn(
+    cluster: ServingCluster,
+) -> None:
+    """The router tokenizes a long new message only up to the first block no node holds;
+    the prefill worker tokenizes the rest. The answer and the counted prompt tokens are
+    exact, and the next turn finds the message in the router's piece cache."""
+    url = cluster.urls["cache_aware"]  # type: ignore[attr-defined]
+    client = _client(url)
+
+    def worker_tokenized() -> float:
+        for line in httpx.get(url + "/metrics").text.splitlines():
+            if line.startswith("kvstore_router_worker_tokenized_total "):
+                return float(line.split()[1])
+        raise AssertionError("no kvstore_router_worker_tokenized_total")
+
+    msgs = [{"role": "user", "content": words(700, 31)}]  # ~4,900 characters, new
+    before = worker_tokenized()
+    r1 = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=N)
+    assert worker_tokenized() == before + 1
+    assert r1.choices[0].message.content == plain_engine(chat_ids(msgs), N)
+    assert r1.usage is not None and r1.usage.prompt_tokens == len(chat_ids(msgs))
+    msgs += [
+        {"role": "assistant", "content": r1.choices[0].message.content or ""},
+        {"role": "user", "content": "Short follow-up?"},
+    ]
+    r2 = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=N)
+    assert worker_tokenized() == before + 1  # every piece was cached or short
+    assert r2.choices[0].message.content == plain_engine(chat_ids(msgs), N)
+    assert r2.usage is not None and r2.usage.prompt_tokens == len(chat_ids(msgs))
+    assert r2.usage.model_extra["kvstore"]["cached_tokens"] > 0
+
+
 def test_completions_not_streamed_match_too(cluster: ServingCluster) -> None:
     prompt = words(300, 2)
     client = _client(cluster.urls["cache_aware"])  # type: ignore[attr-defined]
@@ -149,13 +181,31 @@ def test_impossible_slo_gets_429(cluster: ServingCluster) -> None:
         (b"{not json", 400, None),
         ({"model": "nope", "prompt": "hi"}, 404, "model"),
         ({"model": "tiny", "prompt": words(1500, 6), "max_tokens": 8}, 400, "prompt"),
+        (
+            {
+                "model": "tiny",
+                "max_tokens": 8,
+                "messages": [{"role": "user", "content": words(1500, 7)}],
+            },
+            400,
+            "messages",
+        ),
         ({"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
         ({"model": "tiny", "prompt": "hi", "max_tokens": 4, "n": 2}, 400, "n"),
     ],
-    ids=["malformed-json", "unknown-model", "prompt-too-long", "max-tokens-0", "n-2"],
+    ids=[
+        "malformed-json",
+        "unknown-model",
+        "prompt-too-long",
+        "new-chat-too-long",
+        "max-tokens-0",
+        "n-2",
+    ],
 )
 def test_bad_requests_get_openai_errors(cluster: ServingCluster, body, status, param) -> None:
-    url = cluster.urls["cache_aware"] + "/v1/completions"  # type: ignore[attr-defined]
+    chat = isinstance(body, dict) and "messages" in body
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    url = cluster.urls["cache_aware"] + path  # type: ignore[attr-defined]
     if isinstance(body, bytes):
         r = httpx.post(url, content=body, headers={"content-type": "application/json"})
     else:
@@ -164,7 +214,7 @@ def test_bad_requests_get_openai_errors(cluster: ServingCluster, body, status, p
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["message"]
     assert err["param"] == param
-    if param == "prompt":
+    if param in ("prompt", "messages"):
         assert err["code"] == "context_length_exceeded"
 
 
