@@ -58,13 +58,16 @@ from typing import Any
 
 import numpy as np
 
-from kvstore import StoreClient
-from kvstore.cli.children import Child, spawn, stop_group, wait_ready
-from kvstore.client.cluster import ClusterClient
-from kvstore.config import child_env
-from kvstore.directory.etcd_process import EtcdProcess
-from kvstore.errors import KVStoreError
-from kvstore.shm.index import index_name
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere: the repository's kvstore
+
+from kvstore import StoreClient  # noqa: E402
+from kvstore.cli.children import Child, spawn, stop_group, wait_ready  # noqa: E402
+from kvstore.client.cluster import ClusterClient  # noqa: E402
+from kvstore.config import child_env  # noqa: E402
+from kvstore.directory.etcd_process import EtcdProcess  # noqa: E402
+from kvstore.errors import KVStoreError  # noqa: E402
+from kvstore.shm.index import index_name  # noqa: E402
 
 FAULTS = ("kill", "stop", "etcd")
 STEADY = "steady"
@@ -234,7 +237,10 @@ class SoakCluster:
 
 
 def _clean_environ() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    """This environment without KVSTORE_* settings, the repository importable."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return env
 
 
 # -- the load --------------------------------------------------------------------------

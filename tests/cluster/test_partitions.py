@@ -202,7 +202,7 @@ def test_a_slow_lossy_link_costs_time_not_bytes(netns_cluster: NetnsCluster) -> 
     try:
         r = get(c1, keys + only1)
         assert (r["hits"], r["errors"]) == (12, []), r
-        assert r["seconds"] >= 0.05 * len(only1), r  # every n1 round trip paid the delay
+        assert r["seconds"] >= 0.04 * len(only1), r  # each n1 reply waited 50 +- 10 ms
     finally:
         n1.host.netem("data", None)
     r = get(c1, keys + only1)

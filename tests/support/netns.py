@@ -58,6 +58,7 @@ __all__ = [
     "AgentError",
     "Host",
     "Lab",
+    "NetnsError",
     "NetnsEtcd",
     "NetnsNode",
     "netem_unavailable",
@@ -357,11 +358,6 @@ class NetnsEtcd(EtcdProcess):
         except NetnsError:
             return False
         return True
-
-    def freeze(self, frozen: bool) -> None:
-        """SIGSTOP / SIGCONT by PID: an etcd that hangs instead of dying."""
-        if self._proc is not None:
-            self._proc.send_signal(signal.SIGSTOP if frozen else signal.SIGCONT)
 
 
 @dataclass
