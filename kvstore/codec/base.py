@@ -98,9 +98,9 @@ class ScaledCodec(KVCodec):
     def encode(self, block: torch.Tensor) -> torch.Tensor:
         layers, two, heads, tokens, dim = _block_shape(block, "block")
         rows = layers * two * heads
-        x = block.detach().reshape(rows, tokens * dim).to(torch.float32, copy=True)
-        lo, hi = torch.aminmax(x, dim=1)
-        amax = torch.maximum(hi, lo.neg())  # nan and inf survive both, so the check sees them
+        flat = block.detach().reshape(rows, tokens * dim)
+        lo, hi = torch.aminmax(flat, dim=1)  # exact in any float dtype
+        amax = torch.maximum(hi, lo.neg()).float()  # nan and inf survive, for the check below
         finite = torch.isfinite(amax)
         if not bool(finite.all()):
             bad = int((~finite).nonzero()[0, 0])
@@ -114,7 +114,8 @@ class ScaledCodec(KVCodec):
         # down one ulp there (its top element then clamps to qmax), so decode stays finite.
         big = ~torch.isfinite(scale * self.qmax)
         scale = torch.where(big, torch.nextafter(scale, torch.zeros_like(scale)), scale)
-        x.div_(torch.where(scale > 0, scale, 1.0).unsqueeze(1))
+        # One pass: the division promotes to float32 and is the copy the rounding works on.
+        x = flat / torch.where(scale > 0, scale, 1.0).unsqueeze(1)
         out = torch.empty(encoded_nbytes(block.shape), dtype=torch.uint8, device=block.device)
         n = rows * SCALE_BYTES
         out[:n].view(torch.float32).copy_(scale)

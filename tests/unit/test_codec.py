@@ -67,6 +67,16 @@ def test_fp8_keeps_relative_error_int8_keeps_absolute() -> None:
     assert rel["fp8"] <= 2**-4 * 1.001 < rel["int8"]
 
 
+def test_fp8_decodes_every_code_as_torch_does() -> None:
+    """Decode's table agrees with torch's own float8_e4m3fn conversion on all 254
+    codes encode can write (0x7f and 0xff are NaN, never written)."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    shape = (1, 2, 1, 1, 127)  # two scales (1.0), 254 values
+    data = torch.cat([torch.ones(2).view(torch.uint8), codes])
+    out = get_codec("fp8").decode(data, torch.empty(shape))
+    assert torch.equal(out.view(-1), codes.view(torch.float8_e4m3fn).float())
+
+
 @pytest.mark.parametrize("name", ["fp8", "int8"])
 def test_zero_heads_decode_to_exact_zeros(name: str) -> None:
     x = _block(torch.bfloat16)
