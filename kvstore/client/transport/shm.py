@@ -30,9 +30,10 @@ RESERVE -> copy -> COMMIT of at most half the segment each: reservations are not
 the node can demote, so a batch reserved whole could never be larger than free DRAM,
 while committed rounds make room for the next by demoting to SSD. Items a round could
 not reserve for lack of room (CapacityError) go again in the next round while rounds
-make progress. Same-host clients are
-trusted with the segment (it is mapped read-write, owner-only): a buggy one can scribble
-on other blocks, which readers then reject by checksum.
+make progress.
+
+Same-host clients are trusted with the segment (it is mapped read-write, owner-only): a
+buggy one can scribble on other blocks, which readers then reject by checksum.
 
 Isolation: whoever maps the segment can read every block in it, whatever its tenant.
 Only processes of the server's Unix user can (the file is mode 0600); tenants that must
