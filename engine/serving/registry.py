@@ -129,6 +129,12 @@ class WorkerRecord:
             raise DirectoryError(f"malformed worker record: {raw[:200]!r}") from exc
 
 
+def _cancelling() -> bool:
+    from kvstore.directory.etcd_client import cancelling  # aetcd is optional
+
+    return cancelling()
+
+
 def _auth(auth: EtcdAuth | None) -> EtcdAuth:
     """``auth``, or the ``KVSTORE_ETCD_*`` settings when None."""
     if auth is not None:
@@ -230,6 +236,8 @@ class WorkerRegistration:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # etcd away: keep serving, try again next round
+                if _cancelling():  # grpc reports a cancellation as an RPC error
+                    raise asyncio.CancelledError from exc
                 log.warning("worker registration: %s", exc)
                 await asyncio.sleep(min(every, 1.0))
 
@@ -317,6 +325,8 @@ class WorkerView:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                if _cancelling():  # grpc reports a cancellation as an RPC error
+                    raise asyncio.CancelledError from exc
                 log.warning("worker view: %s; listing again", exc)
             finally:
                 if client is not None:

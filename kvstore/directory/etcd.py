@@ -44,7 +44,7 @@ from aetcd import rpc
 
 from kvstore.config import EtcdAuth
 from kvstore.directory.base import NodeInfo
-from kvstore.directory.etcd_client import etcd_client
+from kvstore.directory.etcd_client import cancelling, etcd_client
 from kvstore.directory.mirror import (
     DEL_BLOCK,
     DEL_NODE,
@@ -152,6 +152,8 @@ def _etcd_errors(what: str) -> Iterator[None]:
     except KVStoreError:
         raise
     except (TimeoutError, aetcd.exceptions.ClientError, grpc.RpcError) as exc:
+        if cancelling():  # a cancellation grpc reported as an RPC error: keep it one
+            raise asyncio.CancelledError from exc
         raise translate(exc, what) from exc
 
 
@@ -343,8 +345,12 @@ class EtcdDirectory(LeasedDirectory):
 
     async def _keepalive_once(self, lease: int) -> bool:
         assert self._client is not None
+        # asyncio.timeout, not wait_for: 3.11's wait_for returns the reply and drops a
+        # cancellation that arrives as the reply does, and the keepalive task being
+        # stopped then runs on (seen after an etcd restart: close() hung 15 s).
         with _etcd_errors("keepalive"):
-            reply = await asyncio.wait_for(self._client.refresh_lease(lease), self._timeout)
+            async with asyncio.timeout(self._timeout):
+                reply = await self._client.refresh_lease(lease)
         return reply is not None and reply.TTL > 0
 
     async def _revoke(self, lease: int) -> None:

@@ -27,10 +27,22 @@ from aetcd import rpc
 from kvstore.config import EtcdAuth
 from kvstore.errors import ConfigError
 
-__all__ = ["AuthClient", "etcd_client"]
+__all__ = ["AuthClient", "cancelling", "etcd_client"]
 
 _AUTHENTICATE = "/etcdserverpb.Auth/Authenticate"
 _STALE = "invalid auth token"  # etcd's ErrInvalidAuthToken: a forgotten token
+
+
+def cancelling() -> bool:
+    """Whether the running task is being cancelled.
+
+    A cancellation that reaches a call inside a grpc.aio interceptor comes out of the
+    call as an RpcError(CANCELLED), not as CancelledError. Code that turns RPC errors
+    into retries must ask this first and raise CancelledError instead, or a cancelled
+    task (a keepalive being stopped) would swallow its cancellation and run on.
+    """
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _method(details: grpc.aio.ClientCallDetails) -> str:

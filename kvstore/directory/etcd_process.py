@@ -91,7 +91,12 @@ class EtcdProcess:
     """
 
     def __init__(
-        self, data_dir: str | Path, *, binary: str | None = None, tls: EtcdTLS | None = None
+        self,
+        data_dir: str | Path,
+        *,
+        binary: str | None = None,
+        tls: EtcdTLS | None = None,
+        extra_flags: Iterable[str] = (),
     ) -> None:
         found = binary or etcd_binary()
         if found is None:
@@ -99,6 +104,7 @@ class EtcdProcess:
         self.binary = found
         self.data_dir = Path(data_dir)
         self.tls = tls
+        self.extra_flags = list(extra_flags)  # e.g. --auth-token-ttl=1 for a test
         self.client_port = 0
         self.peer_port = 0
         self._proc: subprocess.Popen[bytes] | None = None
@@ -146,6 +152,7 @@ class EtcdProcess:
             "--logger=zap",
             "--log-level=error",
             *tls,
+            *self.extra_flags,
         ]
 
     def start(self, timeout: float = 20.0) -> EtcdProcess:

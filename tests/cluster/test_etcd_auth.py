@@ -17,12 +17,13 @@ import pytest
 
 from kvstore import Namespace, StoreClient, prefix_keys
 from kvstore.cli import main
-from kvstore.config import EtcdAuth
+from kvstore.config import ClientConfig, ClusterConfig, EtcdAuth, ServerConfig, load_layered
 from kvstore.directory import NodeInfo
-from kvstore.errors import AuthError, PermissionDenied, Unavailable
+from kvstore.directory.etcd_process import EtcdProcess, EtcdUser
+from kvstore.errors import AuthError, ConfigError, PermissionDenied, Unavailable
 from kvstore.events import BlockStored
 from kvstore.tiering import TierKind
-from tests.support.etcd_fixtures import LOCKED_CLUSTER, LockedEtcd, TlsEtcd
+from tests.support.etcd_fixtures import LOCKED_CLUSTER, LockedEtcd, TlsEtcd, require_etcd
 from tests.support.server_process import ADMIN, ALPHA, ServerProcess, base_flags, principal_of
 from tests.support.waiting import wait_until
 
@@ -80,6 +81,44 @@ def test_a_role_reaches_only_its_own_prefix(etcd_locked: LockedEtcd) -> None:
     with pytest.raises(PermissionDenied, match="cluster prefix"):
         run(EtcdDirectory(etcd_locked.endpoint, LOCKED_CLUSTER, auth=etcd_locked.other).open())
     run(_round_trip(etcd_locked.endpoint, "elsewhere", etcd_locked.other))
+
+
+@pytest.mark.process
+def test_a_forgotten_token_is_renewed(tmp_path: Path) -> None:
+    """etcd forgets an idle simple token after --auth-token-ttl (and all of them at a
+    restart); the directory authenticates again instead of failing from then on."""
+    etcd = EtcdProcess(
+        tmp_path / "etcd", binary=require_etcd(), extra_flags=["--auth-token-ttl=1"]
+    ).start()
+    try:
+        etcd.enable_auth("root-password-0123", [EtcdUser("u", "u-password-0123", b"/kvstore/t/")])
+        auth = EtcdAuth(user="u", password="u-password-0123")
+
+        async def scenario() -> None:
+            async with EtcdDirectory(etcd.endpoint, "t", auth=auth, timeout=5.0) as d:
+                await d.register_node(NodeInfo("n1", "h1", "h1:7400"), ttl=5)
+                await asyncio.sleep(2.5)  # the token is gone now
+                assert [n.node_id for n in await d.list_nodes()] == ["n1"]
+                etcd.restart()  # so are all tokens
+                assert [n.node_id for n in await d.list_nodes()] == ["n1"]
+
+        run(scenario())
+    finally:
+        etcd.stop()
+
+
+def test_etcd_settings_are_checked_at_load(tmp_path: Path) -> None:
+    env = {"KVSTORE_ETCD_USER": "u"}
+    with pytest.raises(ConfigError, match="etcd_user and etcd_password"):
+        load_layered(ClusterConfig, env=env)
+    with pytest.raises(ConfigError, match="etcd_cert and etcd_key"):
+        ClientConfig(etcd_cert=__file__)
+    with pytest.raises(ConfigError, match="etcd_ca: no such file"):
+        ServerConfig(allow_anonymous=True, etcd_ca=str(tmp_path / "missing.pem"))
+    env["KVSTORE_ETCD_PASSWORD"] = "p"
+    cfg = load_layered(ClusterConfig, env=env)
+    assert cfg.etcd_auth == EtcdAuth(user="u", password="p") and "'p'" not in repr(cfg)
+    assert EtcdAuth().empty and not EtcdAuth(ca=__file__).empty and EtcdAuth(ca=__file__).tls
 
 
 def test_tls_with_a_client_certificate(etcd_tls: TlsEtcd) -> None:
