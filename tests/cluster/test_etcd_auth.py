@@ -22,9 +22,17 @@ from kvstore.directory import NodeInfo
 from kvstore.directory.etcd_process import EtcdProcess, EtcdUser
 from kvstore.errors import AuthError, ConfigError, PermissionDenied, Unavailable
 from kvstore.events import BlockStored
+from kvstore.tenants import Principal
 from kvstore.tiering import TierKind
 from tests.support.etcd_fixtures import LOCKED_CLUSTER, LockedEtcd, TlsEtcd, require_etcd
-from tests.support.server_process import ADMIN, ALPHA, ServerProcess, base_flags, principal_of
+from tests.support.server_process import (
+    ADMIN,
+    ALPHA,
+    BRAVO,
+    ServerProcess,
+    base_flags,
+    principal_of,
+)
 from tests.support.waiting import wait_until
 
 pytest.importorskip("aetcd")
@@ -188,6 +196,15 @@ def test_a_node_and_a_cluster_client_work_through_the_locked_etcd(
         outs = [np.empty_like(v) for v in values]
         assert c.batch_get_into(keys, outs) == [True, True]
         assert all(np.array_equal(o, v) for o, v in zip(outs, values, strict=True))
+    # B reads the same directory, yet A's prompt is not where B can compute it to be.
+    with StoreClient.from_etcd(
+        etcd_locked.endpoint, cluster=LOCKED_CLUSTER, token=BRAVO.token, namespace=ns, **creds
+    ) as b:
+        assert b.match_prefix(keys) == 0
+        assert b.members.principal() == principal_of(BRAVO)  # its own scope, from INFO
+        guess = Principal(ALPHA.tenant).scope_all(keys)  # A's scope from A's public name
+        assert not any(b.mirror.replicas(k) for k in guess)
+        assert all(b.mirror.replicas(k) for k in scoped)  # yet A's entries are there
     with pytest.raises(AuthError, match="etcd_user"):
         StoreClient.from_etcd(etcd_locked.endpoint, cluster=LOCKED_CLUSTER, token=ALPHA.token)
 
