@@ -64,7 +64,7 @@ sys.path.insert(0, str(ROOT))  # run as a script from anywhere: the repository's
 from kvstore import StoreClient  # noqa: E402
 from kvstore.cli.children import Child, spawn, stop_group, wait_ready  # noqa: E402
 from kvstore.client.cluster import ClusterClient  # noqa: E402
-from kvstore.config import child_env  # noqa: E402
+from kvstore.config import child_env, parse_size  # noqa: E402
 from kvstore.directory.etcd_process import EtcdProcess  # noqa: E402
 from kvstore.errors import KVStoreError  # noqa: E402
 from kvstore.shm.index import index_name  # noqa: E402
@@ -72,7 +72,7 @@ from kvstore.shm.index import index_name  # noqa: E402
 FAULTS = ("kill", "stop", "etcd")
 STEADY = "steady"
 WARMUP = "warmup"
-MAX_PROMPTS = 4096  # per client: the keys it remembers, to read and remove
+CAPACITY_SHARE = 0.5  # the prompts all clients remember fill this much of the cluster
 
 
 @dataclass
@@ -288,6 +288,15 @@ class Ledger:
         self.add(phase, note)
 
 
+def max_prompts(cfg: SoakConfig) -> int:
+    """How many prompts one client remembers (to read and remove): together the
+    clients' fill half the cluster, so most gets hit and are checked, while eviction
+    (DRAM to SSD, SSD out) still runs."""
+    per_node = parse_size(cfg.dram) + (parse_size(cfg.ssd) if cfg.ssd else 0)
+    prompt = cfg.blocks_per_prompt * cfg.block_bytes
+    return max(16, int(cfg.nodes * per_node * CAPACITY_SHARE) // (cfg.clients * prompt))
+
+
 @dataclass
 class Prompt:
     keys: list[bytes]
@@ -323,6 +332,7 @@ class Worker(threading.Thread):
         )
         self.rng = random.Random(cfg.seed * 1000 + i)
         self.prompts: list[Prompt] = []
+        self.max_prompts = max_prompts(cfg)
         self.out = np.empty(cfg.block_bytes, dtype=np.uint8)
         self.failure: BaseException | None = None
 
@@ -360,7 +370,7 @@ class Worker(threading.Thread):
             ok = self._put(self.second, keys, values, phase) and ok
         self.ledger.add(phase, lambda s: s.ops.update(["put"]))
         self.prompts.append(Prompt(keys, replicate and ok))
-        if len(self.prompts) > MAX_PROMPTS:
+        if len(self.prompts) > self.max_prompts:
             self.prompts.pop(0)
 
     def _put(self, client: ClusterClient, keys: list[bytes], values: list[Any], phase: str) -> bool:
@@ -634,7 +644,15 @@ def summarize(
         }
     totals = _row()
     for row in rows.values():
-        for k in ("ops", "errors", "replicated_get_errors", "wrong_reads", "wrong_bytes"):
+        for k in (
+            "ops",
+            "hits",
+            "misses",
+            "errors",
+            "replicated_get_errors",
+            "wrong_reads",
+            "wrong_bytes",
+        ):
             totals[k] += row[k]
     return {"phases": rows, "totals": totals, "servers": servers}
 
@@ -667,21 +685,24 @@ def table(report: dict[str, Any]) -> str:
         return f"{max(v for v in values if v is not None):.1f}"
 
     lines = [
-        "| phase | faults | ops during | client-visible errors | of them: gets with a live replica "
-        "| wrong bytes | converged within (s, max) | frozen node out of every mirror (s, max) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| phase | faults | ops during | reads checked (hits) | client-visible errors "
+        "| of them: gets with a live replica | wrong bytes | converged within (s, max) "
+        "| frozen node out of every mirror (s, max) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     order = [WARMUP, STEADY, *FAULTS]
     for kind in sorted(report["phases"], key=lambda k: order.index(k) if k in order else 99):
         r = report["phases"][kind]
         lines.append(
-            f"| {kind} | {r['count'] or '-'} | {r['ops']} | {r['errors']} | "
+            f"| {kind} | {r['count'] or '-'} | {r['ops']} | {r['hits'] + r['wrong_reads']} | "
+            f"{r['errors']} | "
             f"{r['replicated_get_errors']} | {r['wrong_bytes']} | {secs(r['converge_s'])} | "
             f"{secs(r['left_mirrors_s'])} |"
         )
     t = report["totals"]
     lines.append(
-        f"| **total** | | {t['ops']} | {t['errors']} | {t['replicated_get_errors']} | "
+        f"| **total** | | {t['ops']} | {t['hits'] + t['wrong_reads']} | {t['errors']} | "
+        f"{t['replicated_get_errors']} | "
         f"{t['wrong_bytes']} | | |"
     )
     lines += ["", "| server | restarts | RSS start -> end (MiB) | growth | fds before -> after "

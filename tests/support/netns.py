@@ -41,6 +41,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Sequence
@@ -111,14 +112,18 @@ def unavailable() -> str | None:
         _ip("netns", "add", probe)
     except NetnsError as exc:
         return f"'ip netns add' is not permitted here ({exc})"
-    try:
-        _ip("-n", probe, "link", "add", "p0", "type", "veth", "peer", "name", "p1")
-        _cmd(["ip", "netns", "exec", probe, "unshare", "--uts", "sh", "-c", "hostname x"])
-    except NetnsError as exc:
-        return f"veth pairs or private namespaces not permitted here ({exc})"
-    finally:
-        with contextlib.suppress(NetnsError):
-            _ip("netns", "del", probe)
+    with tempfile.NamedTemporaryFile("w", suffix=".boot") as boot:
+        boot.write(str(uuid.uuid4()) + "\n")
+        boot.flush()
+        try:
+            _ip("-n", probe, "link", "add", "p0", "type", "veth", "peer", "name", "p1")
+            enter = ["unshare", "--uts", "sh", "-c", _ENTER, boot.name, "probe", "true"]
+            _cmd(["ip", "netns", "exec", probe, *enter])
+        except NetnsError as exc:
+            return f"veth pairs, a private hostname or boot id not permitted here ({exc})"
+        finally:
+            with contextlib.suppress(NetnsError):
+                _ip("netns", "del", probe)
     return None
 
 
