@@ -26,6 +26,7 @@ __all__ = [
     "LeaseExpired",
     "NotFound",
     "PermissionDenied",
+    "QuotaExceeded",
     "ReservationError",
     "StorageError",
     "TimeoutError_",
@@ -75,6 +76,17 @@ class LimitExceeded(KVStoreError, ValueError):
     """A request exceeds a configured limit (keys per batch, message size)."""
 
     code = "limit_exceeded"
+
+
+class QuotaExceeded(LimitExceeded):
+    """A write would take a tenant past its quota (bytes in a tier, or reservations in
+    flight; kvstore/server/quotas.py), and none of its own blocks could make room.
+
+    Not retryable: an immediate retry meets the same quota. It clears when the tenant's
+    own writes in flight end or it removes blocks; other tenants are not affected.
+    """
+
+    code = "quota_exceeded"
 
 
 class CapacityError(KVStoreError):

@@ -25,6 +25,13 @@ it waits on ``_room`` (a Condition over ``_lock``, notified as each demotion end
 up to ``ROOM_WAIT_S``, then looks again. Only a tier with nothing on its way out is
 reported full (CapacityError, retryable).
 
+Budgets. A set of namespaces may have a Budget (budgets.py: a tenant's quota as the
+server hands it down); the index's Ledger keeps each namespace's bytes and blocks per
+tier and its writes in flight, under the same lock, and ``claim`` applies the budget
+of the namespace it claims for: past its writes in flight, QuotaExceeded; past its
+bytes in the tier, its own least recently used block there is the victim, never
+another namespace's.
+
 Kept copies. Promoting an SSD block to the top tier keeps its SSD record (``Entry.kept``
 and ``_kept``, oldest promotion first): a restart then still finds it, and demoting it
 again costs no write. A kept copy is space the SSD gives up first: a claim on the SSD
@@ -43,9 +50,10 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from kvstore.blocks import BlockHeader
-from kvstore.errors import CapacityError
+from kvstore.errors import CapacityError, QuotaExceeded
 from kvstore.events import BlockMoved, BlockRemoved, BlockStored, EventQueue
 from kvstore.keys import BlockKey
+from kvstore.node.budgets import Budget, Ledger, Usage
 from kvstore.node.eviction import BlockFilter, EvictResult
 from kvstore.observe.counters import NodeCounters
 from kvstore.shm.index import IndexWriter
@@ -110,6 +118,7 @@ class BlockIndex:
         self._demoting: list[int] = []  # per level: demotions out of it in flight
         self._kept: list[OrderedDict[bytes, Entry]] = []  # per level: kept copies there
         self._published: IndexWriter | None = None
+        self._ledger = Ledger(lambda level: self._tiers[level].kind)
 
     # -- opening and closing ---------------------------------------------------------------
 
@@ -127,6 +136,7 @@ class BlockIndex:
             with self._lock:
                 self._entries[key] = Entry(key, level, NO_PLACE, size, header, used_at=now)
                 self._policies[level].insert(key, size)
+                self._ledger.add(header.namespace_fp, level, key, size)
                 self._events.put(BlockStored(key, tier.kind, size, header.namespace_fp))
 
     def publish(self, writer: IndexWriter | None) -> str:
@@ -236,6 +246,7 @@ class BlockIndex:
             e.pins += 1
             e.used_at = time.monotonic()
             self._policies[e.level].touch(key)
+            self._ledger.touch(e.header.namespace_fp, e.level, key)
             self._counters.inc(f"hits_{self._tiers[e.level].kind.value}")
             return e, e.level, e.place
 
@@ -258,27 +269,49 @@ class BlockIndex:
                 if e is not None:
                     e.used_at = now
                     self._policies[e.level].touch(key)
+                    self._ledger.touch(e.header.namespace_fp, e.level, key)
                     found += 1
         return found
 
     # -- writes -----------------------------------------------------------------------------
 
-    def claim(self, level: int, size: int, unless_stored: bytes | None = None) -> Room:
+    def claim(
+        self,
+        level: int,
+        size: int,
+        unless_stored: bytes | None = None,
+        *,
+        fp: bytes | None = None,
+        reservation: bool = False,
+    ) -> Room:
         """Room for ``size`` bytes in tier ``level``: a place when the tier has it now,
         else a victim to demote (the last tier's kept copies, then its victims, are
         dropped here, until a place is found). With ``unless_stored``, an empty Room
         when that key is stored. A full tier with demotions out of it in flight is
         waited on (up to ROOM_WAIT_S); CapacityError when every block in the way is
-        pinned or moving and nothing is on its way out."""
+        pinned or moving and nothing is on its way out.
+
+        ``fp`` names the namespace the room is for: its budget (budgets.py) is applied
+        first, and a victim it calls for is one of that budget's own blocks. With
+        ``reservation`` the place returned is counted as a write in flight until
+        :meth:`commit` or :meth:`discard` is given it back."""
         tier = self._tiers[level]
-        last = level + 1 == len(self._tiers)
         wait_until: float | None = None
         with self._lock:
             if unless_stored is not None and unless_stored in self._entries:
                 return Room()
             while True:
+                if fp is not None:
+                    budget = self._ledger.over(fp, level, size, reservation=reservation)
+                    if budget is not None:
+                        room = self._own_victim_locked(budget, level, size)
+                        if room is not None:
+                            return room
+                        continue
                 place = tier.allocate(size)
                 if place is not None:
+                    if reservation and fp is not None:
+                        self._ledger.reserve(fp, size)
                     return Room(place=place)
                 if self._drop_kept_locked(level):
                     continue
@@ -288,17 +321,44 @@ class BlockIndex:
                     if unless_stored is not None and unless_stored in self._entries:
                         return Room()
                     continue
-                victim = self._entries[victim_key]
-                if victim.kept is not None:
-                    self._settle_on_kept_locked(victim)  # its copy below is current
-                    continue
-                if not last:
-                    victim.state = _State.MOVING
-                    victim.pins += 1
-                    self._demoting[level] += 1
-                    return Room(victim=victim)
-                self._counters.inc(f"evictions_{tier.kind.value}")  # it leaves the node
-                self._drop_locked(victim)
+                room = self._evict_locked(self._entries[victim_key], level)
+                if room is not None:
+                    return room
+
+    def _own_victim_locked(self, budget: Budget, level: int, size: int) -> Room | None:
+        """Make room within ``budget`` in tier ``level`` from its own least recently
+        used block: a Room to demote it, or None when it was settled or dropped here.
+        QuotaExceeded when none of its blocks there can go."""
+        key = self._ledger.oldest(budget, level, self._busy, self._used_at)
+        if key is None:
+            kind = self._tiers[level].kind.value
+            self._counters.inc("quota_refusals")
+            raise QuotaExceeded(
+                f"{budget.name}: {size} more bytes would exceed its {kind} quota of "
+                f"{budget.limit(self._tiers[level].kind)}, and its blocks there are all "
+                "in use or being written"
+            )
+        self._counters.inc(f"quota_evictions_{self._tiers[level].kind.value}")
+        self._policies[level].remove(key)
+        return self._evict_locked(self._entries[key], level)
+
+    def _used_at(self, key: bytes) -> float:
+        return self._entries[key].used_at
+
+    def _evict_locked(self, victim: Entry, level: int) -> Room | None:
+        """Take a victim out of tier ``level`` (already out of its policy): settled on
+        its kept copy or dropped here (None), or a Room for the caller to demote it."""
+        if victim.kept is not None:
+            self._settle_on_kept_locked(victim)  # its copy below is current
+            return None
+        if level + 1 < len(self._tiers):
+            victim.state = _State.MOVING
+            victim.pins += 1
+            self._demoting[level] += 1
+            return Room(victim=victim)
+        self._counters.inc(f"evictions_{self._tiers[level].kind.value}")  # it leaves the node
+        self._drop_locked(victim)
+        return None
 
     def _wait_for_room_locked(self, level: int, wait_until: float | None) -> float:
         """Wait for a demotion out of ``level`` to end; CapacityError when none is in
@@ -307,7 +367,10 @@ class BlockIndex:
         wait_until = now + ROOM_WAIT_S if wait_until is None else wait_until
         if not self._demoting[level] or now >= wait_until:
             kind = self._tiers[level].kind.value
-            raise CapacityError(f"{kind} tier is full and every block in it is pinned")
+            raise CapacityError(
+                f"{kind} tier is full: every block in it is pinned or moving, the rest of "
+                "it is held by writes in flight"
+            )
         self._counters.inc("room_waits")
         self._room.wait(wait_until - now)
         return wait_until
@@ -317,10 +380,12 @@ class BlockIndex:
         return e is None or e.pins > 0 or e.state is not _State.READY
 
     def commit(self, key: bytes, level: int, place: int, header: BlockHeader) -> bool:
-        """Make a filled, sealed block visible. False (its place released) when the key
-        was stored meanwhile: keys name content, the first copy stays."""
+        """Make a filled, sealed block visible (its reservation, claimed with
+        ``reservation``, ends). False (its place released) when the key was stored
+        meanwhile: keys name content, the first copy stays."""
         size = header.total_len
         with self._lock:
+            self._ledger.unreserve(header.namespace_fp, size)
             if key in self._entries:
                 self._tiers[level].release(key, place)
                 return False
@@ -328,12 +393,18 @@ class BlockIndex:
             self._entries[key] = e
             self._publish_locked(e)
             self._policies[level].insert(key, size)
+            self._ledger.add(header.namespace_fp, level, key, size)
             self._events.put(BlockStored(key, self._tiers[level].kind, size, header.namespace_fp))
         return True
 
-    def discard(self, key: bytes, level: int, place: int) -> None:
-        """Release a place that never became (or no longer is) a visible block's."""
+    def discard(
+        self, key: bytes, level: int, place: int, reserved: tuple[bytes, int] | None = None
+    ) -> None:
+        """Release a place that never became (or no longer is) a visible block's;
+        ``reserved`` = (namespace fp, size) ends the reservation it was claimed for."""
         with self._lock:
+            if reserved is not None:
+                self._ledger.unreserve(*reserved)
             self._discard_locked(key, level, place)
 
     def _discard_locked(self, key: bytes, level: int, place: int) -> None:
@@ -414,6 +485,9 @@ class BlockIndex:
         last unpin), or with ``keep`` (a key-addressed tier: SSD) stays as its copy."""
         src = self._tiers[e.level]  # its policy let go of it already
         self._unpublish_locked(e)
+        fp = e.header.namespace_fp
+        self._ledger.remove(fp, e.level, e.key, e.size)
+        self._ledger.add(fp, level, e.key, e.size)
         if keep:
             e.kept = (e.level, e.place)
             self._kept[e.level][e.key] = e
@@ -518,6 +592,18 @@ class BlockIndex:
             self._demoting[level] += 1
             return e
 
+    # -- budgets ------------------------------------------------------------------------------
+
+    def set_budget(self, budget: Budget) -> None:
+        """Install or replace (by name) the budget of a set of namespaces."""
+        with self._lock:
+            self._ledger.set_budget(budget)
+
+    def usage(self, budget: Budget) -> Usage:
+        """What a budget's namespaces hold now, per tier, and their writes in flight."""
+        with self._lock:
+            return self._ledger.usage(budget, len(self._tiers))
+
     # -- under the lock -----------------------------------------------------------------------
 
     def _holds(self, key: bytes, level: int) -> bool:
@@ -530,6 +616,7 @@ class BlockIndex:
         e.gone = True
         self._unpublish_locked(e)
         self._policies[e.level].remove(e.key)
+        self._ledger.remove(e.header.namespace_fp, e.level, e.key, e.size)
         self._events.put(BlockRemoved(e.key, self._tiers[e.level].kind))
         e.stale.append((e.level, e.place))
         if e.kept is not None:  # its copy below goes too

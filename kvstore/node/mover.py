@@ -16,7 +16,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvstore.errors import BlockTooLarge, CapacityError, CorruptBlock, KVStoreError, NotFound
+from kvstore.errors import (
+    BlockTooLarge,
+    CapacityError,
+    CorruptBlock,
+    KVStoreError,
+    NotFound,
+    QuotaExceeded,
+)
 from kvstore.node.eviction import BlockFilter, EvictResult
 from kvstore.node.index import BlockIndex, Entry
 from kvstore.observe.counters import NodeCounters
@@ -38,15 +45,24 @@ class TierMover:
         self._index = index
         self._counters = counters
 
-    def make_room(self, level: int, size: int, unless_stored: bytes | None = None) -> int | None:
+    def make_room(
+        self,
+        level: int,
+        size: int,
+        unless_stored: bytes | None = None,
+        *,
+        fp: bytes | None = None,
+        reservation: bool = False,
+    ) -> int | None:
         """A place for ``size`` bytes in tier ``level``, demoting victims one tier down
         (outside the index's lock) until there is one. None when ``unless_stored`` is
-        given and that key is stored. BlockTooLarge when it could never fit."""
+        given and that key is stored. BlockTooLarge when it could never fit.
+        ``fp`` and ``reservation``: see BlockIndex.claim (a namespace's budget)."""
         tier = self._tiers[level]
         if not tier.fits_ever(size):
             raise BlockTooLarge(f"block of {size} bytes exceeds the {tier.kind.value} tier")
         for _ in range(_ROUNDS):
-            room = self._index.claim(level, size, unless_stored)
+            room = self._index.claim(level, size, unless_stored, fp=fp, reservation=reservation)
             if room.victim is None:
                 return room.place
             self._demote(room.victim, level)
@@ -57,6 +73,8 @@ class TierMover:
         place: int | None = None
         try:
             place = self._copy_down(e, level)
+        except QuotaExceeded:  # its namespace has no room below: it leaves the node
+            self._counters.inc("quota_drops")
         except KVStoreError as exc:
             log.warning("demotion of %s failed, dropping it: %s", e.key.hex(), exc)
         finally:  # whatever happened, the victim stops MOVING and waiters are woken
@@ -68,8 +86,9 @@ class TierMover:
             raise CapacityError(f"the {self._tiers[level].kind.value} tier cannot demote")
         dst_level = level + 1
         dst = self._tiers[dst_level]
+        fp = e.header.namespace_fp
         for _attempt in range(3):
-            place = self.make_room(dst_level, e.size)
+            place = self.make_room(dst_level, e.size, fp=fp)
             assert place is not None
             try:
                 dst.store(e.key, place, e.header, src)
@@ -91,7 +110,7 @@ class TierMover:
         place: int | None = None
         if promote:
             try:
-                place = self.make_room(0, e.size)
+                place = self.make_room(0, e.size, fp=e.header.namespace_fp)
             except KVStoreError:
                 place = None
         top = self._tiers[0]

@@ -7,6 +7,10 @@ BlockIndex's (index.py, which owns the one lock and writes down its contract); h
 their bytes move between tiers is the TierMover's (mover.py). A block is visible only
 after its commit because a reservation is not in the index. A reservation takes the
 index's lock once (more only to make room) and a commit once.
+
+A server may give a set of namespaces a Budget (:meth:`StoreNode.set_budget`,
+budgets.py): reservations and room-making for those namespaces then stay within it,
+and an over-budget namespace makes room from its own blocks only.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from kvstore.errors import (
 )
 from kvstore.events import BlockEvent, EventQueue
 from kvstore.keys import BlockKey, Namespace, as_key
+from kvstore.node.budgets import Budget, Usage
 from kvstore.node.eviction import BlockFilter, EvictResult
 from kvstore.node.index import BlockIndex, Entry
 from kvstore.node.mover import TierMover
@@ -240,13 +245,13 @@ class StoreNode:
             value_info.check_layout(namespace.kv_layout)
             nsfp = namespace.fingerprint()
         size = HEADER_SIZE + value_info.nbytes
-        place = self._mover.make_room(0, size, unless_stored=k)
+        place = self._mover.make_room(0, size, unless_stored=k, fp=nsfp, reservation=True)
         if place is None:
             return None
         top = self._tiers[0]
         fill = top.payload(place, value_info.nbytes)
         if fill is None:
-            self._index.discard(k, 0, place)
+            self._index.discard(k, 0, place, reserved=(nsfp, size))
             raise StorageError(f"the {top.kind.value} tier cannot take reservations")
         shm_offset = place if top.shm_name is not None else -1
         return Reservation(k, value_info, nsfp, 0, place, size, shm_offset, fill)
@@ -272,7 +277,7 @@ class StoreNode:
             )
             self._tiers[res.level].seal(res.offset, header)
         except BaseException:
-            self._index.discard(res.key, res.level, res.offset)
+            self._index.discard(res.key, res.level, res.offset, reserved=_reserved(res))
             raise
         if not self._index.commit(res.key, res.level, res.offset, header):
             return False
@@ -283,7 +288,7 @@ class StoreNode:
     def abort(self, res: Reservation) -> None:
         """Drop a reservation and free its space; aborting twice is harmless."""
         if res._settle.acquire(blocking=False):
-            self._index.discard(res.key, res.level, res.offset)
+            self._index.discard(res.key, res.level, res.offset, reserved=_reserved(res))
 
     def put(self, key: bytes, value: Any, *, namespace: Namespace | None = None) -> bool:
         """Store one block (tensor, array or bytes). False if the key was already stored."""
@@ -415,6 +420,15 @@ class StoreNode:
 
     # -- admin and observability -------------------------------------------------------------
 
+    def set_budget(self, budget: Budget) -> None:
+        """Limit what ``budget.namespaces`` may hold (replacing the budget of the same
+        name): see kvstore/node/budgets.py for the rules."""
+        self._index.set_budget(budget)
+
+    def usage(self, budget: Budget) -> Usage:
+        """Bytes per tier and writes in flight of a budget's namespaces, now."""
+        return self._index.usage(budget)
+
     def evict(self, tier: TierKind, target_bytes: int) -> int:
         """Demote (or drop, from the last tier) blocks until ``tier`` uses at most
         ``target_bytes``; pinned blocks are skipped. Returns how many blocks went."""
@@ -469,3 +483,8 @@ class StoreNode:
             "events_dropped": self.events.dropped,
             "counters": self.counters.snapshot(),
         }
+
+
+def _reserved(res: Reservation) -> tuple[bytes, int]:
+    """What the index counts a reservation under: (namespace fp, size)."""
+    return res.namespace_fp, res.size
