@@ -251,6 +251,11 @@ class ServerConfig(EtcdAccess):
         lease_ttl_s: how long a shared-memory read or write lease lives unless released.
         io_timeout_s: a frame that starts must finish within this (else the connection
             closes and its reservation is aborted).
+        put_grace_s / put_floor_bytes: a put's reservation expires when its payload is
+            not in within ``put_grace_s + nbytes / put_floor_bytes`` seconds (a floor of
+            ``put_floor_bytes`` a second after a grace); the connection is cut and the
+            reservation released. Same-host (shared-memory) write leases last as long,
+            at most ``lease_ttl_s``.
         data_poll_us: after each reply on the data socket, poll up to this long for the
             same client's next request instead of sleeping (0: off). Only while that
             client has the server to itself: see kvstore/wire/polling.py.
@@ -286,6 +291,8 @@ class ServerConfig(EtcdAccess):
     max_message_bytes: int = 16 * 1024**2
     lease_ttl_s: float = 30.0
     io_timeout_s: float = 30.0
+    put_grace_s: float = 5.0
+    put_floor_bytes: int = 1024**2
     data_poll_us: int = 100
     workers: int = 8
     max_connections: int = 256
@@ -335,6 +342,8 @@ class ServerConfig(EtcdAccess):
             self,
             "lease_ttl_s",
             "io_timeout_s",
+            "put_grace_s",
+            "put_floor_bytes",
             "max_connections",
             "max_handshakes",
             "max_namespaces_per_tenant",

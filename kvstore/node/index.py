@@ -332,7 +332,6 @@ class BlockIndex:
         key = self._ledger.oldest(budget, level, self._busy, self._used_at)
         if key is None:
             kind = self._tiers[level].kind.value
-            self._counters.inc("quota_refusals")
             raise QuotaExceeded(
                 f"{budget.name}: {size} more bytes would exceed its {kind} quota of "
                 f"{budget.limit(self._tiers[level].kind)}, and its blocks there are all "

@@ -11,6 +11,13 @@ short, a reset or a stall past ``io_timeout_s`` closes the connection and aborts
 reservation, so nothing half-written is ever visible. Every lease granted on a
 connection (shared-memory reads and writes) ends when it closes.
 
+A reservation is held only while its payload keeps coming: each item's receive runs
+under a FILL lease of ``put_grace_s + nbytes / put_floor_bytes``
+(Gateway.fill_deadline_s). When it expires the lease reaper shuts the socket down, the
+receive returns, and this connection's thread aborts the reservation and closes: a
+peer sending a byte a second holds space for seconds, not for the frame's whole
+``io_timeout_s``, and never across items.
+
 HELLO also says which process the client runs in: while any client of this very process
 is connected, no connection polls for its next request (kvstore/wire/polling.py), since
 the poller would hold the GIL that client needs to send it.
@@ -38,10 +45,11 @@ from google.protobuf.message import DecodeError, Message
 from kvstore._proto import store_pb2 as pb
 from kvstore.blocks import ValueInfo
 from kvstore.config import ServerConfig
-from kvstore.errors import KVStoreError, Unavailable
+from kvstore.errors import KVStoreError, TimeoutError_, Unavailable
 from kvstore.node.store import BlockRead
 from kvstore.server.auth import TokenTable
 from kvstore.server.gateway import Gateway, ReadItem, WriteItem
+from kvstore.server.leases import LeaseKind
 from kvstore.tenants import Principal
 from kvstore.wire.codec import info_from_meta, status_of
 from kvstore.wire.frames import (
@@ -445,7 +453,7 @@ class _Session:
             if target is None:
                 self.fs.discard(n)
             else:
-                self.fs.recv_into(target.data)  # straight into the slab extent
+                self._fill(target.data, n)
 
         try:
             results = self.gw.write(self.principal, req.scope.model, req.scope.layout, items, fill)
@@ -457,6 +465,37 @@ class _Session:
         for r in results:
             _put_result(r, resp.results.add())
         return resp
+
+    def _fill(self, view: Any, n: int) -> None:
+        """Receive one item's payload straight into its reservation's extent, under a
+        FILL lease: past its deadline the reaper cuts the connection (``_cut``), and the
+        caller (Gateway.write) aborts the reservation when this raises."""
+        p, leases = self.principal, self.gw.leases
+        ttl = self.gw.fill_deadline_s(n)
+        lease = leases.grant(LeaseKind.FILL, self._cut, p.tenant, self.id, ttl_s=ttl)
+        try:
+            self.fs.recv_into(view)
+        except KVStoreError:
+            if leases.take(lease.id, p.tenant, LeaseKind.FILL) is None:
+                raise self._stalled(n, ttl) from None
+            raise
+        if leases.take(lease.id, p.tenant, LeaseKind.FILL) is None:  # cut as it ended
+            raise self._stalled(n, ttl)
+
+    def _stalled(self, n: int, ttl: float) -> KVStoreError:
+        self.fs.broken = True  # the socket is shut: nothing more goes either way
+        log.info("data connection %d: a put of %d bytes stalled past %.1f s", self.id, n, ttl)
+        return TimeoutError_(
+            f"put payload of {n} bytes did not arrive within {ttl:.1f} s (put_grace_s + "
+            "nbytes / put_floor_bytes); its reservation was released"
+        )
+
+    def _cut(self) -> None:
+        """End a stalled put (called by the lease reaper): shut the socket down, which
+        wakes this connection's thread from its receive. The plain socket's shutdown,
+        also under TLS: the TLS object stays the connection thread's."""
+        with contextlib.suppress(OSError):
+            socket.socket.shutdown(self.fs.sock, socket.SHUT_RDWR)
 
     def _body_cap(self) -> int:
         """The largest PUT body a well-formed request can carry; the refused items of

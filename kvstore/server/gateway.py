@@ -11,7 +11,12 @@ or a metadata call); nothing here knows a wire format. That keeps the rules in o
   and layout plus that tenant, never a tenant named by the request;
 - batch size (here) and value size (by the node) are checked before any byte moves;
 - shared-memory grants are leases (kvstore/server/leases.py), ended by release, by their data
-  connection closing, or by expiry;
+  connection closing, or by expiry; a write's lease, and a socket put's hold on its
+  reservation (:meth:`Gateway.fill_deadline_s`), last only as long as the payload takes
+  at the configured floor rate plus a grace, so a stalled payload cannot keep space;
+- a tenant with a quota (kvstore/server/quotas.py) has it applied by the node as a Budget
+  over its namespaces' fingerprints, kept here in step as it names new namespaces; its
+  writes must name a scope (a block without a namespace could not be counted);
 - while draining, writes are refused and reads keep working; a clustered server
   also marks its directory record draining (``on_drain``), first, so clients stop
   choosing this node for writes before it starts refusing them;
@@ -39,16 +44,19 @@ from kvstore.errors import (
     InvalidValue,
     KVStoreError,
     LimitExceeded,
+    QuotaExceeded,
     ReservationError,
     StorageError,
     Unavailable,
 )
 from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
+from kvstore.node.budgets import Budget
 from kvstore.node.store import BlockRead, Reservation, StoreNode
 from kvstore.observe.counters import NodeCounters, split_key
 from kvstore.server.leases import Lease, LeaseKind, LeaseTable
 from kvstore.server.namespaces import NamespaceRegistry
+from kvstore.server.quotas import Quotas
 from kvstore.tenants import Principal
 from kvstore.tiering import TierKind
 
@@ -139,12 +147,16 @@ class Gateway:
     """Scoped, checked node operations for authenticated principals."""
 
     def __init__(
-        self, node: StoreNode, config: ServerConfig, names: NamespaceRegistry | None = None
+        self,
+        node: StoreNode,
+        config: ServerConfig,
+        names: NamespaceRegistry | None = None,
+        quotas: Quotas | None = None,
     ) -> None:
         self.node = node
         self.config = config
         self.max_value_bytes = node.config.max_value_bytes
-        self.leases = LeaseTable(config.lease_ttl_s, self._end_lease)
+        self.leases = LeaseTable(config.lease_ttl_s, self._end_lease, shortest_s=config.put_grace_s)
         self.counters = NodeCounters()
         self.gauges: dict[str, Callable[[], int]] = {}  # live values for stats (connections)
         self.draining = False
@@ -156,6 +168,12 @@ class Gateway:
         # drain imported): how admin filters by tenant or model find blocks the node
         # knows by fingerprint. Persisted beside the SSD tier when the server has one.
         self.names = names if names is not None else NamespaceRegistry()
+        self.quotas = quotas if quotas is not None else Quotas()
+        self._budgets: dict[str, Budget] = {}  # tenant -> the Budget the node applies
+        self._budget_lock = threading.Lock()
+        for q in self.quotas:  # namespaces known from earlier runs count at once
+            self._budgets[q.tenant] = q.budget(self.names.select(q.tenant))
+            self.node.set_budget(self._budgets[q.tenant])
 
     def close(self) -> None:
         """End every lease (pins and reservations go back to the node); close the
@@ -183,11 +201,31 @@ class Gateway:
                 raise InvalidValue(f"bad scope: {exc}") from None
             limit = self.config.max_namespaces_per_tenant
             self.names.add(ns.fingerprint(), p.tenant, model, limit=limit)  # no-op once known
+            self._cover(p.tenant, ns.fingerprint())
             with self._ns_lock:
                 if len(self._ns) > 4096:
                     self._ns.clear()
                 self._ns[key] = ns
         return ns
+
+    def _cover(self, tenant: str, fp: bytes) -> None:
+        """Bring a namespace under its tenant's quota (a no-op without one, or once in)."""
+        q = self.quotas.get(tenant)
+        if q is None:
+            return
+        with self._budget_lock:
+            old = self._budgets.get(tenant)
+            if old is not None and fp in old.namespaces:
+                return
+            budget = q.budget((old.namespaces if old is not None else frozenset()) | {fp})
+            self.node.set_budget(budget)
+            self._budgets[tenant] = budget
+
+    def fill_deadline_s(self, nbytes: int) -> float:
+        """How long a write may hold a reservation while ``nbytes`` of payload arrive:
+        the grace plus the time they take at the floor rate."""
+        c = self.config
+        return c.put_grace_s + nbytes / c.put_floor_bytes
 
     # -- accounting (the service's counters, kvstore/observe/names.py) --------------------
 
@@ -340,7 +378,7 @@ class Gateway:
                 res = self._reserve(p, it.key, it.info, ns)
             except KVStoreError as exc:
                 fill(None, it.nbytes)
-                out.append(exc)
+                out.append(self._refused(p, exc))
                 continue
             if res is None:
                 fill(None, it.nbytes)
@@ -364,6 +402,8 @@ class Gateway:
         shared segment for each item (None when stored already, or that item's error)."""
         self.check_batch(len(items))
         ns = self.namespace(p, model, layout)
+        # the client copies the whole batch, then commits it: one deadline for all
+        ttl = min(self.fill_deadline_s(sum(it.nbytes for it in items)), self.config.lease_ttl_s)
         out: list[Lease | KVStoreError | None] = []
         for it in items:
             try:
@@ -376,10 +416,12 @@ class Gateway:
                         "shared-memory writes need a DRAM top tier; use the data socket"
                     )
             except KVStoreError as exc:
-                out.append(exc)
+                out.append(self._refused(p, exc))
                 continue
             out.append(
-                None if res is None else self.leases.grant(LeaseKind.WRITE, res, p.tenant, owner)
+                None
+                if res is None
+                else self.leases.grant(LeaseKind.WRITE, res, p.tenant, owner, ttl_s=ttl)
             )
         return out
 
@@ -421,7 +463,19 @@ class Gateway:
         self, p: Principal, key: bytes, info: ValueInfo, ns: Namespace | None
     ) -> Reservation | None:
         self._writable()
-        return self.node.reserve(p.scope(key), info, namespace=ns)  # it checks size, layout
+        if ns is None and p.tenant in self._budgets:
+            raise InvalidValue(
+                f"tenant {p.tenant!r} has a quota: its writes must name a model and layout "
+                "(a scope), or they could not be counted"
+            )
+        # it checks size, layout and the tenant's quota (kvstore/node/budgets.py)
+        return self.node.reserve(p.scope(key), info, namespace=ns)
+
+    def _refused(self, p: Principal, exc: KVStoreError) -> KVStoreError:
+        if isinstance(exc, QuotaExceeded):
+            self.counters.inc("quota_refusals")
+            self.counters.inc("quota_refusals", tenant=p.tenant)
+        return exc
 
     def _commit(self, p: Principal, res: Reservation, checksum: int, path: str) -> bool:
         try:
@@ -436,8 +490,12 @@ class Gateway:
     def _end_lease(self, lease: Lease) -> None:
         if lease.kind is LeaseKind.READ:
             self.node.close_read(lease.obj)
-        else:
+        elif lease.kind is LeaseKind.WRITE:
             self.node.abort(lease.obj)
+        else:  # FILL: cut the stalled connection; its thread aborts the reservation
+            self.counters.inc("puts_stalled")
+            self.counters.inc("puts_stalled", tenant=lease.tenant)
+            lease.obj()
 
     # -- admin -------------------------------------------------------------------------
 
@@ -449,10 +507,25 @@ class Gateway:
         if not p.admin:
             server = {k: v for k, v in server.items() if split_key(k)[1] in (None, p.tenant)}
         server.update({name: fn() for name, fn in self.gauges.items()})
+        server.update(self._quota_usage(p))
         server["leases"] = len(self.leases)
         server["leases_expired"] = self.leases.expired
         server["draining"] = int(self.draining)
         return self.node.stats(), server
+
+    def _quota_usage(self, p: Principal) -> dict[str, int]:
+        """Per tenant with a quota (all for an admin, else the caller's own): bytes held
+        per tier (``quota_used_<tier>@<tenant>``) and writes in flight."""
+        with self._budget_lock:
+            budgets = [(t, b) for t, b in self._budgets.items() if p.admin or t == p.tenant]
+        out: dict[str, int] = {}
+        for tenant, b in budgets:
+            usage = self.node.usage(b)
+            for kind, nbytes in usage.tier_bytes.items():
+                out[f"quota_used_{kind.value}@{tenant}"] = nbytes
+            out[f"quota_inflight@{tenant}"] = usage.reservations
+            out[f"quota_inflight_bytes@{tenant}"] = usage.reserved_bytes
+        return out
 
     def tier(self, name: str) -> TierKind:
         """This node's tier called ``name``; InvalidValue naming the tiers it has."""

@@ -2,6 +2,10 @@
 
 A same-host client copies a block out of (or into) the node's shared-memory segment
 between two requests on its data connection (LEASE then RELEASE, RESERVE then COMMIT).
+A put over the socket holds its reservation while the payload arrives, which a peer
+can make last for ever by sending slowly; that hold is a lease too (FILL), whose end
+cuts the connection, so the connection's own thread aborts the reservation (never the
+reaper: the thread may still be writing into it).
 Between them the node must keep the extent pinned (a read) or reserved (a write), yet
 a client may crash, hang or simply forget. Every such grant is therefore a lease: it
 ends when its holder releases it, when the holder's data connection closes, or when it
@@ -37,10 +41,13 @@ log = logging.getLogger(__name__)
 
 
 class LeaseKind(StrEnum):
-    """A pinned read (node.open_read) or a reserved write (node.reserve)."""
+    """A pinned read (node.open_read), a reserved write (node.reserve) filled through
+    shared memory, or a reservation being filled from a data socket (FILL: ``obj`` is
+    what cuts that connection)."""
 
     READ = "read"
     WRITE = "write"
+    FILL = "fill"
 
 
 @dataclass(slots=True)
@@ -62,8 +69,12 @@ class LeaseTable:
     goes away, never for a lease taken with :meth:`take`: its taker ends it.
     """
 
-    def __init__(self, ttl_s: float, end: Callable[[Lease], None]) -> None:
+    def __init__(
+        self, ttl_s: float, end: Callable[[Lease], None], *, shortest_s: float | None = None
+    ) -> None:
         self.ttl_ns = int(ttl_s * 1e9)
+        # the shortest lease granted (grant's ttl_s): how often the reaper must look
+        self.shortest_ns = int((ttl_s if shortest_s is None else min(ttl_s, shortest_s)) * 1e9)
         self._end = end
         self._lock = threading.Lock()
         self._leases: dict[int, Lease] = {}
@@ -76,9 +87,12 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._leases)
 
-    def grant(self, kind: LeaseKind, obj: Any, tenant: str, owner: int) -> Lease:
-        """Register a new lease expiring ``ttl`` from now."""
-        lease = Lease(0, kind, obj, tenant, owner, time.monotonic_ns() + self.ttl_ns)
+    def grant(
+        self, kind: LeaseKind, obj: Any, tenant: str, owner: int, ttl_s: float | None = None
+    ) -> Lease:
+        """Register a new lease expiring ``ttl_s`` (default: the table's ttl) from now."""
+        ttl_ns = self.ttl_ns if ttl_s is None else int(ttl_s * 1e9)
+        lease = Lease(0, kind, obj, tenant, owner, time.monotonic_ns() + ttl_ns)
         with self._lock:
             lease.id = next(self._ids)
             self._leases[lease.id] = lease
@@ -131,8 +145,8 @@ class LeaseTable:
     # -- reaper ------------------------------------------------------------------------
 
     def start_reaper(self) -> None:
-        """Run :meth:`end_expired` in a daemon thread, several times per ttl."""
-        interval = min(max(self.ttl_ns / 4e9, 0.01), 1.0)
+        """Run :meth:`end_expired` in a daemon thread, several times per shortest ttl."""
+        interval = min(max(self.shortest_ns / 4e9, 0.01), 1.0)
 
         def loop() -> None:
             while not self._stop.wait(interval):

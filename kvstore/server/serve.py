@@ -42,6 +42,7 @@ from kvstore.server.dataserver import DataServer
 from kvstore.server.gateway import Gateway
 from kvstore.server.membership import Membership, node_record
 from kvstore.server.namespaces import NamespaceRegistry
+from kvstore.server.quotas import Quotas
 from kvstore.server.service import StoreServicer
 from kvstore.tenants import Principal
 from kvstore.wire.locality import host_id, hostname
@@ -59,6 +60,7 @@ class StoreServer:
         self.node_config = node_config
         self.config = config
         self.tokens = TokenTable.from_config(config)  # refuses a bad tokens file now
+        self.quotas = Quotas.from_config(config)  # and bad quotas in it
         self.instance_id = secrets.token_hex(8)
         self.port = 0
         self.data_port = 0
@@ -82,7 +84,7 @@ class StoreServer:
         try:
             self._shm_index = self.node.publish_index()
             names = NamespaceRegistry.open(self.node_config.ssd_path)  # beside SSD blocks
-            gw = self._gateway = Gateway(self.node, c, names)
+            gw = self._gateway = Gateway(self.node, c, names, self.quotas)
             gw.leases.start_reaper()
             self._data = DataServer(gw, self.tokens, self.info, c, self._tls)
             self.data_port = self._data.start(f"kvstore-{self.node.node_id}-{self.instance_id}")
@@ -250,13 +252,15 @@ _SERVER_FLAGS = {
     "host": "address to bind (default 127.0.0.1)",
     "port": "gRPC port (default 7400; 0 picks one)",
     "data_port": "data-socket port (default 0: pick one)",
-    "tokens_file": "TOML/JSON [[tokens]] file: token, tenant, admin",
+    "tokens_file": "TOML/JSON [[tokens]] file: token, tenant, admin; [quotas.<tenant>]",
     "tls_cert": "PEM certificate (enables TLS)",
     "tls_key": "PEM private key",
     "max_batch": "most keys per request",
     "max_message_bytes": "largest gRPC message / frame metadata",
     "lease_ttl_s": "lifetime of a shared-memory lease, seconds",
     "io_timeout_s": "a started frame must finish within this, seconds",
+    "put_grace_s": "a put's payload may take this long plus nbytes / put_floor_bytes (5)",
+    "put_floor_bytes": "slowest payload rate a put keeps its reservation at, per second (1MiB)",
     "data_poll_us": "poll this long for a lone client's next request (default 100; 0: off)",
     "workers": "threads for blocking node calls",
     "max_connections": "concurrent data sockets (default 256)",
