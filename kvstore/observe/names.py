@@ -57,6 +57,13 @@ client, per call served wholly that way. A DRAM block the index had no room for 
 ``shm_index_full`` (its reads take leases).
 Each time a connection polls for its client's next request after a reply
 (kvstore/wire/polling.py) counts ``data_polls_caught`` or ``data_polls_missed``.
+Quotas (kvstore/server/quotas.py): the service counts ``quota_refusals`` (a put refused
+with QuotaExceeded) and ``puts_stalled`` (a put whose payload missed its deadline, cut),
+both also per tenant; the node counts ``quota_evictions_<tier>`` (a block leaving a tier
+to make room within its own namespace's budget) and ``quota_drops`` (a demotion dropped
+because the budget has no room below). All export as ``kvstore_counter_total``; a
+tenant's usage is in ``stats()`` as ``quota_used_<tier>@<tenant>``,
+``quota_inflight@<tenant>`` and ``quota_inflight_bytes@<tenant>``.
 Admin moves count ``exported_blocks``, ``imported_blocks`` and ``purged_blocks``
 (``kvstore_counter_total``); an export reads through the node, so it also counts as a
 node hit.

@@ -475,7 +475,7 @@ class _Session:
         lease = leases.grant(LeaseKind.FILL, self._cut, p.tenant, self.id, ttl_s=ttl)
         try:
             self.fs.recv_into(view)
-        except KVStoreError:
+        except BaseException:  # the lease is always taken back here, never left behind
             if leases.take(lease.id, p.tenant, LeaseKind.FILL) is None:
                 raise self._stalled(n, ttl) from None
             raise

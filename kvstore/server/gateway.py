@@ -377,8 +377,8 @@ class Gateway:
                     raise it.info
                 res = self._reserve(p, it.key, it.info, ns)
             except KVStoreError as exc:
+                out.append(self._refused(p, exc))  # counted before its bytes are read past
                 fill(None, it.nbytes)
-                out.append(self._refused(p, exc))
                 continue
             if res is None:
                 fill(None, it.nbytes)
