@@ -25,8 +25,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.netns import Agent, NetnsNode, netem_unavailable
-from tests.support.netns_fixtures import TTL, NetnsCluster
+from tests.support.netns import TTL, Agent, NetnsCluster, NetnsNode, netem_unavailable
 
 pytest.importorskip("aetcd")
 

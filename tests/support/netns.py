@@ -55,6 +55,8 @@ from kvstore.shm.index import index_name
 
 __all__ = [
     "NETS",
+    "TTL",
+    "NetnsCluster",
     "Agent",
     "AgentError",
     "Host",
@@ -69,6 +71,10 @@ __all__ = [
 
 NETS = {"ctl": "10.213.1", "data": "10.213.2"}
 """Network name -> its /24 prefix (private: both live only inside the lab's namespaces)."""
+
+TTL = 2
+"""Node lease TTL, seconds (etcd's minimum): how long a partitioned node stays listed."""
+
 
 PREFIX = "kvt-"
 ROOT = Path(__file__).resolve().parents[2]
@@ -527,3 +533,19 @@ class Agent:
                 if "error" in reply:
                     raise AgentError(f"{self.name}: {reply['error']}")
                 return reply
+
+
+@dataclass
+class NetnsCluster:
+    """What the ``netns_cluster`` fixture (tests/support/netns_fixtures.py) started, by role."""
+
+    lab: Lab
+    etcd: NetnsEtcd
+    nodes: dict[str, NetnsNode]
+    agents: dict[str, Agent]
+    cluster: str
+
+    @property
+    def endpoint(self) -> str:
+        """etcd as nodes and clients dial it (over the control network)."""
+        return f"{self.etcd.host}:{self.etcd.client_port}"

@@ -1,6 +1,7 @@
 """A small cluster spread over namespace hosts (tests/support/netns.py), for partition tests.
 
-Use from a test module with ``pytest_plugins = ["tests.support.netns_fixtures"]``:
+Use from a test module with ``pytest_plugins = ["tests.support.netns_fixtures"]`` (and
+import what the test needs, ``NetnsCluster`` and ``TTL``, from tests/support/netns.py):
 
 - ``netns_cluster``: one per module. Hosts ``etcd`` (control network only), ``n1`` and
   ``n2`` (both networks; ``kvstore serve`` bound to the data address, node lease
@@ -16,34 +17,23 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
 
 from tests.support.etcd_fixtures import require_etcd
-from tests.support.netns import Agent, Lab, NetnsEtcd, NetnsNode, start_nodes, unavailable
+from tests.support.netns import (
+    TTL,
+    Agent,
+    Lab,
+    NetnsCluster,
+    NetnsEtcd,
+    NetnsNode,
+    start_nodes,
+    unavailable,
+)
 from tests.support.server_process import ALPHA, write_tokens
 
-__all__ = ["TTL", "NetnsCluster", "netns_cluster"]
-
-TTL = 2
-"""Node lease TTL, seconds (etcd's minimum): how long a partitioned node stays listed."""
-
-
-@dataclass
-class NetnsCluster:
-    """What ``netns_cluster`` started, by role."""
-
-    lab: Lab
-    etcd: NetnsEtcd
-    nodes: dict[str, NetnsNode]
-    agents: dict[str, Agent]
-    cluster: str
-
-    @property
-    def endpoint(self) -> str:
-        """etcd as nodes and clients dial it (over the control network)."""
-        return f"{self.etcd.host}:{self.etcd.client_port}"
+__all__ = ["netns_cluster", "require_netns"]
 
 
 def require_netns() -> None:
