@@ -56,7 +56,7 @@ from kvstore.tiering import TierKind
 
 __all__ = ["Quotas", "TenantQuota"]
 
-_TIERS = {"hbm": TierKind.HBM, "dram": TierKind.DRAM, "ssd": TierKind.SSD}
+_TIERS = {t.value: t for t in TierKind}  # hbm, dram, ssd
 _FIELDS = (*_TIERS, "reservations", "reserved_bytes")
 
 
