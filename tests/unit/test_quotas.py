@@ -3,6 +3,7 @@ handing them to a real node as budgets that follow a tenant's new namespaces."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -157,3 +158,26 @@ def test_leased_writes_in_flight_are_bounded_per_tenant(gateway: Gateway) -> Non
     assert 4.0 < left_s < gateway.fill_deadline_s(3 * VALUE.nbytes) + 0.01 < 6.0  # not 30 s
     assert gateway.leases.end_owner(1) == 2
     assert gateway.stats(alpha)[1]["quota_inflight@alpha"] == 0
+
+
+def test_a_fill_lease_past_its_deadline_is_cut_by_the_reaper() -> None:
+    from kvstore.server.leases import Lease, LeaseKind, LeaseTable
+
+    cut = threading.Event()
+    ended: list[Lease] = []
+
+    def end(lease: Lease) -> None:
+        ended.append(lease)
+        lease.obj()
+
+    table = LeaseTable(30.0, end, shortest_s=0.2)  # the reaper looks every 0.05 s
+    table.start_reaper()
+    try:
+        t0 = time.monotonic()
+        lease = table.grant(LeaseKind.FILL, cut.set, "alpha", owner=7, ttl_s=0.1)
+        assert cut.wait(2.0), "the stalled fill was never cut"
+        assert 0.1 <= time.monotonic() - t0 < 0.5
+        assert table.take(lease.id, "alpha", LeaseKind.FILL) is None  # the reaper took it
+        assert [x.kind for x in ended] == [LeaseKind.FILL] and table.expired == 1
+    finally:
+        table.close()
