@@ -42,6 +42,7 @@ _STATUS_OF_CODE = {
     "layout_mismatch": _S.FAILED_PRECONDITION,
     "block_too_large": _S.OUT_OF_RANGE,
     "limit_exceeded": _S.RESOURCE_EXHAUSTED,
+    "quota_exceeded": _S.RESOURCE_EXHAUSTED,
     "no_capacity": _S.RESOURCE_EXHAUSTED,
     "not_found": _S.NOT_FOUND,
     "reservation": _S.FAILED_PRECONDITION,
