@@ -5,7 +5,9 @@ CPU, every number measured in one run against an anchor from the same run:
 
 * **Bytes and speed.** A stored block of each namespace (uncompressed, fp8, int8), and
   encode / decode GB/s over the real KV blocks of the TTFT prompt, counted in the
-  engine's bytes, beside a plain torch copy of the same bytes (the ratio is printed).
+  engine's bytes, beside a plain torch copy of the same bytes (the ratio is printed):
+  encode block by block, as puts do; decode the whole prefix in one call, as
+  ``HFKVAdapter.load_prefix`` does.
 * **Greedy agreement.** ``--prompts`` prompts of ``--prompt-tokens`` tokens (windows of
   the docstrings of Python's standard library: real text, offline, fixed per Python
   version). Each prompt's full blocks are stored in a real StoreNode under each
@@ -210,27 +212,34 @@ def timed(fn: Callable[[], Any], runs: int) -> float:
 
 
 def codec_speed(ads: dict[str, HFKVAdapter], blocks: list[torch.Tensor], runs: int) -> dict:
-    """Encode and decode GB/s (engine bytes) and a torch copy of the same bytes."""
+    """Encode GB/s block by block (as puts encode) and decode GB/s of the whole prefix
+    in one call (as HFKVAdapter.load_prefix decodes), in engine bytes, each beside a
+    torch copy of the same bytes in the same pattern."""
     nbytes = sum(b.numel() * b.element_size() for b in blocks)
     outs = [torch.empty_like(b) for b in blocks]
+    stack = torch.stack(blocks)
+    stack_out = torch.empty_like(stack)
 
-    def copy() -> None:
+    def copy_blocks() -> None:
         for b, o in zip(blocks, outs, strict=True):
             o.copy_(b)
 
-    res: dict[str, Any] = {"copy_GBps": nbytes / timed(copy, runs) / 1e9, "bytes": nbytes}
+    res: dict[str, Any] = {
+        "bytes": nbytes,
+        "encode_copy_GBps": nbytes / timed(copy_blocks, runs) / 1e9,
+        "decode_copy_GBps": nbytes / timed(lambda: stack_out.copy_(stack), runs) / 1e9,
+    }
     for name in CODECS[1:]:
         codec = ads[name].codec
         assert codec is not None
-        encoded = [codec.encode(b) for b in blocks]
+        encoded = codec.encode(stack)
 
         def encode(c: Any = codec) -> None:
             for b in blocks:
                 c.encode(b)
 
-        def decode(c: Any = codec, e: list = encoded) -> None:
-            for d, o in zip(e, outs, strict=True):
-                c.decode(d, o)
+        def decode(c: Any = codec, e: torch.Tensor = encoded) -> None:
+            c.decode(e, stack_out)
 
         res[name] = {
             "encode_GBps": nbytes / timed(encode, runs) / 1e9,
@@ -385,11 +394,11 @@ def print_report(r: dict[str, Any]) -> None:
     _row("", CODECS)
     _row("stored bytes per block", [f"{size[c]:,}" for c in CODECS])
     _row("bytes saved", _per_codec(lambda c: f"{1 - size[c] / size['none']:.1%}", "-"))
-    copy = sp["copy_GBps"]
-    for op in ("encode", "decode"):
+    for op, how in (("encode", "per block"), ("decode", "per prefix")):
+        copy = sp[f"{op}_copy_GBps"]
         rates = [sp[c][f"{op}_GBps"] for c in CODECS[1:]]
         _row(
-            f"{op} GB/s (x torch copy)",
+            f"{op} GB/s {how} (x copy)",
             [f"copy {copy:.2f}"] + [f"{g:.2f} ({g / copy:.2f}x)" for g in rates],
         )
     n = q["prompts"]

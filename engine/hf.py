@@ -155,16 +155,27 @@ class HFKVAdapter:
         if n == 0:
             return 0, None
         buf = torch.empty((n, *self.block_shape), dtype=self.dtype)
-        staging = self._staging()
+        # Compressed blocks land as bytes and decode in one call: a prefix's worth of
+        # large operations instead of a few small ones per block.
+        land = (
+            buf
+            if self.codec is None
+            else torch.empty((n, self.stored_block_bytes), dtype=torch.uint8)
+        )
         got = 0
         for i in range(n):
             try:
-                ok = self.get_block(store, keys[i], buf[i], staging=staging)
+                ok = store.get_into(keys[i], land[i], namespace=self.namespace)
             except KVStoreError:
                 ok = False
             if not ok:
                 break
             got += 1
+        if got and self.codec is not None:
+            try:
+                self.codec.decode(land[:got], buf[:got])
+            except KVStoreError:  # a verified block with a bad scale: refuse the prefix
+                got = 0
         if got == 0:
             return 0, None
         return got, self.cache_from_blocks(buf[:got])
@@ -213,10 +224,3 @@ class HFKVAdapter:
             return False
         self.codec.decode(raw, out)
         return True
-
-    def _staging(self) -> torch.Tensor | None:
-        """A landing buffer for one compressed block, reused across a prefix's reads;
-        None when blocks land as they are."""
-        if self.codec is None:
-            return None
-        return torch.empty(self.stored_block_bytes, dtype=torch.uint8)

@@ -27,37 +27,47 @@ __all__ = ["KVCodec", "ScaledCodec"]
 
 
 class KVCodec(ABC):
-    """Compresses KV blocks for the store and restores them for the engine."""
+    """Compresses KV blocks for the store and restores them for the engine.
+
+    A block is ``[layers, 2, kv_heads, block_tokens, head_dim]``; both methods also take
+    a stack of blocks (any leading dimensions), so a reader decodes a whole prefix in a
+    few large operations instead of a few small ones per block.
+    """
 
     name: ClassVar[str]
     """The name the layout and the registry know this codec by (``fp8``, ``int8``)."""
 
     @abstractmethod
     def encoded_nbytes(self, shape: Sequence[int]) -> int:
-        """Bytes :meth:`encode` returns for a block of ``shape`` (fixed per shape: the
-        store sizes every block of a namespace from its layout)."""
+        """Bytes :meth:`encode` returns for one block of ``shape`` (fixed per shape:
+        the store sizes every block of a namespace from its layout)."""
 
     @abstractmethod
     def encode(self, block: torch.Tensor) -> torch.Tensor:
-        """A flat uint8 tensor of :meth:`encoded_nbytes` bytes; raises InvalidValue
-        for a block it cannot represent (inf or nan, a non-float dtype)."""
+        """uint8 ``[encoded_nbytes]`` for a block (``[*lead, encoded_nbytes]`` for a
+        stack, one row per block); raises InvalidValue for a block it cannot represent
+        (inf or nan, a non-float dtype)."""
 
     @abstractmethod
     def decode(self, data: Any, out: torch.Tensor) -> torch.Tensor:
-        """Dequantize ``data`` (bytes from :meth:`encode`) into ``out`` (the block,
-        in the engine's dtype) and return ``out``."""
+        """Dequantize ``data`` (bytes from :meth:`encode`, the blocks back to back) into
+        ``out`` (a block or a stack of them, in the engine's dtype); returns ``out``."""
 
 
-def _block_shape(block: torch.Tensor, what: str) -> tuple[int, int, int, int, int]:
+def _geometry(block: torch.Tensor, what: str) -> tuple[int, tuple[int, int, int, int, int]]:
+    """(blocks in the stack, one block's shape), refusing what no codec can take."""
     dtype = str(block.dtype).removeprefix("torch.")
     if dtype not in FLOAT_DTYPES:
         raise InvalidValue(
             f"{what} is {dtype}; a KV codec works on {', '.join(sorted(FLOAT_DTYPES))}"
         )
     s = tuple(block.shape)
-    if len(s) != 5 or s[1] != 2 or min(s) <= 0:
+    if len(s) < 5 or s[-4] != 2 or min(s) <= 0:
         raise InvalidValue(f"{what} is {s}; a KV block is [layers, 2, kv_heads, tokens, dim]")
-    return (s[0], s[1], s[2], s[3], s[4])
+    count = 1
+    for d in s[:-5]:
+        count *= d
+    return count, (s[-5], s[-4], s[-3], s[-2], s[-1])
 
 
 def _as_bytes(data: Any) -> torch.Tensor:
@@ -86,27 +96,29 @@ class ScaledCodec(KVCodec):
     @abstractmethod
     def _to_bytes(self, scaled: torch.Tensor, out: torch.Tensor) -> None:
         """Write ``scaled`` (float32 in [-qmax, qmax], may be modified) into ``out``
-        (uint8, one per element)."""
+        (uint8 of the same shape, one byte per element)."""
 
     @abstractmethod
     def _from_bytes(self, values: torch.Tensor) -> torch.Tensor:
-        """A new float32 tensor of the integers/floats ``values`` (uint8) encode."""
+        """A new contiguous float32 tensor (``values``' shape) of what the bytes encode."""
 
     def encoded_nbytes(self, shape: Sequence[int]) -> int:
         return encoded_nbytes(shape)
 
     def encode(self, block: torch.Tensor) -> torch.Tensor:
-        layers, two, heads, tokens, dim = _block_shape(block, "block")
+        count, shape = _geometry(block, "block")
+        layers, two, heads, tokens, dim = shape
         rows = layers * two * heads
-        flat = block.detach().reshape(rows, tokens * dim)
+        flat = block.detach().reshape(count * rows, tokens * dim)
         lo, hi = torch.aminmax(flat, dim=1)  # exact in any float dtype
         amax = torch.maximum(hi, lo.neg()).float()  # nan and inf survive, for the check below
         finite = torch.isfinite(amax)
         if not bool(finite.all()):
             bad = int((~finite).nonzero()[0, 0])
-            layer, kv, head = bad // (two * heads), (bad // heads) % two, bad % heads
+            i, row = divmod(bad, rows)
+            layer, kv, head = row // (two * heads), (row // heads) % two, row % heads
             raise InvalidValue(
-                f"KV block has inf or nan at layer {layer}, {'kv'[kv]}, head {head}: "
+                f"KV block {i} has inf or nan at layer {layer}, {'kv'[kv]}, head {head}: "
                 f"refusing to {self.name}-encode it (it would decode to garbage)"
             )
         scale = amax / self.qmax
@@ -116,27 +128,30 @@ class ScaledCodec(KVCodec):
         scale = torch.where(big, torch.nextafter(scale, torch.zeros_like(scale)), scale)
         # One pass: the division promotes to float32 and is the copy the rounding works on.
         x = flat / torch.where(scale > 0, scale, 1.0).unsqueeze(1)
-        out = torch.empty(encoded_nbytes(block.shape), dtype=torch.uint8, device=block.device)
+        per = encoded_nbytes(shape)
+        out = torch.empty((count, per), dtype=torch.uint8, device=block.device)
         n = rows * SCALE_BYTES
-        out[:n].view(torch.float32).copy_(scale)
-        self._to_bytes(x, out[n:])
-        return out
+        out[:, :n].copy_(scale.view(count, rows).view(torch.uint8))
+        self._to_bytes(x.view(count, rows * tokens * dim), out[:, n:])
+        return out.view(-1) if block.dim() == 5 else out.view(*block.shape[:-5], per)
 
     def decode(self, data: Any, out: torch.Tensor) -> torch.Tensor:
-        layers, two, heads, tokens, dim = _block_shape(out, "output block")
+        count, shape = _geometry(out, "output block")
+        layers, two, heads, tokens, dim = shape
         raw = _as_bytes(data)
-        want = encoded_nbytes(out.shape)
-        if raw.numel() != want:
+        per = encoded_nbytes(shape)
+        if raw.numel() != count * per:
             raise LayoutMismatch(
-                f"{raw.numel()} bytes to decode; a {self.name} block of {tuple(out.shape)} "
-                f"has {want}"
+                f"{raw.numel()} bytes to decode; {count} {self.name} block(s) of {shape} "
+                f"have {count * per}"
             )
         rows = layers * two * heads
         n = rows * SCALE_BYTES
-        scale = raw[:n].view(torch.float32)
+        blocks = raw.view(count, per)
+        scale = blocks[:, :n].reshape(-1).view(torch.float32)  # copied only if strided
         if not bool((torch.isfinite(scale) & (scale >= 0)).all()):
             raise CorruptBlock(f"{self.name} block has a negative or non-finite scale")
-        x = self._from_bytes(raw[n:]).view(rows, tokens * dim)
+        x = self._from_bytes(blocks[:, n:]).view(count * rows, tokens * dim)
         x.mul_(scale.to(x.device).unsqueeze(1))
         out.copy_(x.view(out.shape))
         return out

@@ -27,9 +27,11 @@ class FP8Codec(ScaledCodec):
     def _to_bytes(self, scaled: torch.Tensor, out: torch.Tensor) -> None:
         # The clamp guards the last ulp of the division: e4m3fn has no inf to saturate to.
         scaled.clamp_(-FP8_MAX, FP8_MAX)
-        out.view(torch.float8_e4m3fn).copy_(scaled.view(-1))
+        out.view(torch.float8_e4m3fn).copy_(scaled)
 
     def _from_bytes(self, values: torch.Tensor) -> torch.Tensor:
         if values.device.type == "cpu":
             return torch.from_numpy(_TABLE.take(values.numpy()))
-        return values.view(torch.float8_e4m3fn).to(torch.float32)
+        return values.view(torch.float8_e4m3fn).to(
+            torch.float32, memory_format=torch.contiguous_format
+        )

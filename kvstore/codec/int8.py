@@ -24,7 +24,7 @@ class Int8Codec(ScaledCodec):
 
     def _to_bytes(self, scaled: torch.Tensor, out: torch.Tensor) -> None:
         scaled.round_().clamp_(-INT8_MAX, INT8_MAX)
-        out.view(torch.int8).copy_(scaled.view(-1))
+        out.view(torch.int8).copy_(scaled)
 
     def _from_bytes(self, values: torch.Tensor) -> torch.Tensor:
-        return values.view(torch.int8).to(torch.float32)
+        return values.view(torch.int8).to(torch.float32, memory_format=torch.contiguous_format)

@@ -141,6 +141,28 @@ def test_non_contiguous_input_and_output() -> None:
     torch.testing.assert_close(out, codec.decode(data, torch.empty(SHAPE)))
 
 
+@pytest.mark.parametrize("shape", [SHAPE, (2, 2, 1, 1, 127)], ids=["aligned", "odd-size"])
+@pytest.mark.parametrize("name", ["fp8", "int8"])
+def test_a_stack_of_blocks_is_its_blocks_back_to_back(name: str, shape: tuple) -> None:
+    """A prefix decodes in one call: the same bytes and values as block by block,
+    also when a block's size is not a multiple of 4 (its scales then sit unaligned)."""
+    codec = get_codec(name)
+    stack = torch.stack([torch.randn(shape) * (i + 1) for i in range(6)]).view(2, 3, *shape)
+    data = codec.encode(stack)
+    per = encoded_nbytes(shape)
+    assert data.shape == (2, 3, per)
+    singles = [codec.encode(b) for b in stack.view(6, *shape)]
+    assert torch.equal(data.view(6, per), torch.stack(singles))
+    out = codec.decode(data, torch.empty(2, 3, *shape, dtype=torch.bfloat16))
+    for i, one in enumerate(singles):
+        want = codec.decode(one, torch.empty(shape, dtype=torch.bfloat16))
+        assert torch.equal(out.view(6, *shape)[i], want)
+    bad = stack.clone()
+    bad[1, 2, 0, 1, 0, 0, 0] = float("nan")
+    with pytest.raises(InvalidValue, match=r"KV block 5 has inf or nan at layer 0, v, head 0"):
+        codec.encode(bad)
+
+
 def test_decode_takes_bytes_and_unaligned_buffers() -> None:
     x = _block(torch.float16)
     codec = get_codec("fp8")
