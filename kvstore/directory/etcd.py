@@ -239,13 +239,9 @@ class EtcdDirectory(LeasedDirectory):
         try:
             with _etcd_errors("connect"):
                 await self._client.connect()
-        except BaseException:
-            self._client = None
-            raise
-        try:
             await self._range(self._prefix, limit=1, count_only=True)  # fail fast if down
         except BaseException:
-            await self._disconnect()
+            await self._disconnect()  # closes a channel opened before the refusal
             raise
 
     async def _disconnect(self) -> None:
