@@ -52,7 +52,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,17 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: the repository's kvstore
 
+from benchmarks.soak_report import (  # noqa: E402
+    FAULTS,
+    STEADY,
+    FaultRecord,
+    Ledger,
+    PhaseStats,
+    Proc,
+    proc_facts,
+    summarize,
+    table,
+)
 from kvstore import StoreClient  # noqa: E402
 from kvstore.cli.children import Child, spawn, stop_group, wait_ready  # noqa: E402
 from kvstore.client.cluster import ClusterClient  # noqa: E402
@@ -69,9 +80,6 @@ from kvstore.directory.etcd_process import EtcdProcess  # noqa: E402
 from kvstore.errors import KVStoreError  # noqa: E402
 from kvstore.shm.index import index_name  # noqa: E402
 
-FAULTS = ("kill", "stop", "etcd")
-STEADY = "steady"
-WARMUP = "warmup"
 CAPACITY_SHARE = 0.5  # the prompts all clients remember fill this much of the cluster
 
 
@@ -107,43 +115,6 @@ def value_for(key: bytes, size: int) -> np.ndarray:
 
 
 # -- the cluster ---------------------------------------------------------------------------
-
-
-@dataclass
-class Proc:
-    """/proc facts of one process."""
-
-    rss_kib: int
-    rss_anon_kib: int
-    rss_shmem_kib: int
-    fds: int
-    threads: int
-    thread_names: dict[str, int] = field(default_factory=dict)  # name -> how many
-
-
-def proc_facts(pid: int) -> Proc:
-    status: dict[str, int] = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            name, _, value = line.partition(":")
-            if name in ("VmRSS", "RssAnon", "RssShmem", "Threads"):
-                status[name] = int(value.split()[0])
-    return Proc(
-        rss_kib=status.get("VmRSS", 0),
-        rss_anon_kib=status.get("RssAnon", 0),
-        rss_shmem_kib=status.get("RssShmem", 0),
-        fds=len(os.listdir(f"/proc/{pid}/fd")),
-        threads=status.get("Threads", 0),
-        thread_names=dict(Counter(_thread_names(pid))),
-    )
-
-
-def _thread_names(pid: int) -> list[str]:
-    names = []
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/comm") as f:
-            names.append(f.read().strip().rstrip("0123456789_-"))
-    return names
 
 
 class SoakCluster:
@@ -246,48 +217,6 @@ def _clean_environ() -> dict[str, str]:
 # -- the load --------------------------------------------------------------------------
 
 
-@dataclass
-class PhaseStats:
-    """What the clients saw while one phase (a fault, or steady state) lasted."""
-
-    ops: Counter[str] = field(default_factory=Counter)
-    errors: Counter[str] = field(default_factory=Counter)
-    replicated_get_errors: int = 0
-    hits: int = 0
-    misses: int = 0
-    wrong_reads: int = 0
-    wrong_bytes: int = 0
-    samples: list[str] = field(default_factory=list)
-
-
-class Ledger:
-    """Counts per phase; the fault thread names the phase, clients add to it.
-
-    Concurrency contract: ``_lock`` guards ``phases``; ``phase`` is a str swapped
-    atomically by the driver and read without the lock by clients."""
-
-    def __init__(self) -> None:
-        self.phase = WARMUP
-        self.phases: dict[str, PhaseStats] = {}
-        self._lock = threading.Lock()
-
-    def add(self, phase: str, fn: Any) -> None:
-        with self._lock:
-            fn(self.phases.setdefault(phase, PhaseStats()))
-
-    def error(self, phase: str, op: str, exc: BaseException | str, replicated: bool) -> None:
-        def note(s: PhaseStats) -> None:
-            s.errors[op] += 1
-            if replicated and op == "get":
-                s.replicated_get_errors += 1
-            if len(s.samples) < 5:
-                s.samples.append(
-                    f"{op}: {type(exc).__name__ if not isinstance(exc, str) else ''} {exc}"
-                )
-
-        self.add(phase, note)
-
-
 def max_prompts(cfg: SoakConfig) -> int:
     """How many prompts one client remembers (to read and remove): together the
     clients' fill half the cluster, so most gets hit and are checked, while eviction
@@ -327,9 +256,13 @@ class Worker(threading.Thread):
             "connect_timeout_s": cfg.timeout_s,
         }
         self.main = StoreClient.from_etcd(cluster.etcd.endpoint, node_id=ids[i % len(ids)], **kw)
-        self.second = StoreClient.from_etcd(
-            cluster.etcd.endpoint, node_id=ids[(i + 1) % len(ids)], **kw
-        )
+        try:
+            self.second = StoreClient.from_etcd(
+                cluster.etcd.endpoint, node_id=ids[(i + 1) % len(ids)], **kw
+            )
+        except BaseException:
+            self.main.close()
+            raise
         self.rng = random.Random(cfg.seed * 1000 + i)
         self.prompts: list[Prompt] = []
         self.max_prompts = max_prompts(cfg)
@@ -435,16 +368,6 @@ class Worker(threading.Thread):
 
 
 # -- faults ------------------------------------------------------------------------------
-
-
-@dataclass
-class FaultRecord:
-    kind: str
-    phase: str
-    target: str
-    started_s: float  # since the soak began
-    converge_s: float | None = None  # from injection until every mirror is whole again
-    left_mirrors_s: float | None = None  # stop: from SIGSTOP until out of every mirror
 
 
 def _mirrors_whole(clients: list[ClusterClient], addresses: dict[str, str]) -> bool:
@@ -554,7 +477,7 @@ def run(cfg: SoakConfig, root: Path | None = None, log: Any = print) -> dict[str
         # The same quiet point as the baseline: a prime round, then no client. (gRPC's
         # process-wide aio state can outlive the last channel closed after an etcd
         # restart until the next channel comes and goes: bounded, not a leak.)
-        prime(cluster, cfg)
+        report["client_opens_refused_at_end"] = prime(cluster, cfg)
         time.sleep(cfg.settle_s)
         server_after, self_after = cluster.facts(), _self_facts()
         report["load_avg_end"] = os.getloadavg()
@@ -569,7 +492,15 @@ def run(cfg: SoakConfig, root: Path | None = None, log: Any = print) -> dict[str
     if own_root:
         shutil.rmtree(root, ignore_errors=True)
     report.update(
-        summarize(ledger, faults, cluster, rss_start, rss_end, server_before, server_after)
+        summarize(
+            ledger,
+            faults,
+            {n: cluster.restarts[n] for n in cluster.ids},
+            rss_start,
+            rss_end,
+            server_before,
+            server_after,
+        )
     )
     report["client_process"] = {"before": asdict(self_before), "after": asdict(self_after)}
     report["leaked_segments"] = leftover
@@ -577,18 +508,36 @@ def run(cfg: SoakConfig, root: Path | None = None, log: Any = print) -> dict[str
     return report
 
 
-def prime(cluster: SoakCluster, cfg: SoakConfig, ops: int = 40) -> None:
+def prime(cluster: SoakCluster, cfg: SoakConfig, ops: int = 40) -> list[str]:
     """A few ops on every node through clients that then close: what is created once
     per process (gRPC's own threads, a first pool thread) exists before the leak
-    baseline is taken, so the baseline compares like with like."""
+    baseline is taken, so the baseline compares like with like.
+
+    Returns the errors of client opens that failed and were retried: after an etcd
+    restart, a new client in this process can be refused ("failed to connect to all
+    addresses") while etcd is healthy, until gRPC's reconnect backoff for that address
+    ends; a finding the report carries, not a reason to stop."""
     stop = threading.Event()
+    refused: list[str] = []
     for i in range(cfg.nodes):
-        w = Worker(i, cfg, cluster, Ledger(), stop)
+        deadline = time.monotonic() + cfg.converge_within_s
+        while True:
+            try:
+                w = Worker(i, cfg, cluster, Ledger(), stop)
+                break
+            except KVStoreError as exc:
+                refused.append(
+                    f"{time.monotonic() - deadline + cfg.converge_within_s:.1f} s: {exc}"
+                )
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
         try:
             for _ in range(ops):
                 w.one_op()
         finally:
             w.close()
+    return refused
 
 
 def _sleep_until(t: float, workers: list[Worker]) -> None:
@@ -596,138 +545,6 @@ def _sleep_until(t: float, workers: list[Worker]) -> None:
         if any(w.failure is not None for w in workers):
             return
         time.sleep(min(0.2, max(0.0, t - time.monotonic())))
-
-
-def summarize(
-    ledger: Ledger,
-    faults: list[FaultRecord],
-    cluster: SoakCluster,
-    rss_start: dict[str, int],
-    rss_end: dict[str, int],
-    before: dict[str, Proc],
-    after: dict[str, Proc],
-) -> dict[str, Any]:
-    """Per fault kind and overall: ops, errors, wrong bytes, convergence; per server:
-    RSS growth and fds/threads before and after."""
-    rows: dict[str, dict[str, Any]] = {}
-    kinds = {f.phase: f.kind for f in faults}
-    for phase, s in ledger.phases.items():
-        kind = kinds.get(phase, phase)
-        row = rows.setdefault(kind, _row())
-        row["ops"] += sum(s.ops.values())
-        row["errors"] += sum(s.errors.values())
-        row["replicated_get_errors"] += s.replicated_get_errors
-        row["wrong_reads"] += s.wrong_reads
-        row["wrong_bytes"] += s.wrong_bytes
-        row["hits"] += s.hits
-        row["misses"] += s.misses
-        row["samples"] += s.samples[: 5 - len(row["samples"])]
-        for op, n in s.ops.items():
-            row["by_op"][op] = row["by_op"].get(op, 0) + n
-    for f in faults:
-        row = rows.setdefault(f.kind, _row())
-        row["count"] += 1
-        row["converge_s"].append(f.converge_s)
-        if f.left_mirrors_s is not None or f.kind == "stop":
-            row["left_mirrors_s"].append(f.left_mirrors_s)
-    servers = {}
-    for node in cluster.ids:
-        b, a = before.get(node), after.get(node)
-        start, end = rss_start.get(node), rss_end.get(node)
-        servers[node] = {
-            "restarts": cluster.restarts[node],
-            "rss_start_kib": start,
-            "rss_end_kib": end,
-            "rss_growth_pct": None if not start or end is None else 100.0 * (end - start) / start,
-            "before": asdict(b) if b else None,
-            "after": asdict(a) if a else None,
-        }
-    totals = _row()
-    for row in rows.values():
-        for k in (
-            "ops",
-            "hits",
-            "misses",
-            "errors",
-            "replicated_get_errors",
-            "wrong_reads",
-            "wrong_bytes",
-        ):
-            totals[k] += row[k]
-    return {"phases": rows, "totals": totals, "servers": servers}
-
-
-def _row() -> dict[str, Any]:
-    return {
-        "count": 0,
-        "ops": 0,
-        "by_op": {},
-        "errors": 0,
-        "replicated_get_errors": 0,
-        "wrong_reads": 0,
-        "wrong_bytes": 0,
-        "hits": 0,
-        "misses": 0,
-        "converge_s": [],
-        "left_mirrors_s": [],
-        "samples": [],
-    }
-
-
-def table(report: dict[str, Any]) -> str:
-    """The reliability table (Markdown) and the leak lines."""
-
-    def secs(values: list[float | None]) -> str:
-        if not values:
-            return "-"
-        if any(v is None for v in values):
-            return "not converged"
-        return f"{max(v for v in values if v is not None):.1f}"
-
-    lines = [
-        "| phase | faults | ops during | reads checked (hits) | client-visible errors "
-        "| of them: gets with a live replica | wrong bytes | converged within (s, max) "
-        "| frozen node out of every mirror (s, max) |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    order = [WARMUP, STEADY, *FAULTS]
-    for kind in sorted(report["phases"], key=lambda k: order.index(k) if k in order else 99):
-        r = report["phases"][kind]
-        lines.append(
-            f"| {kind} | {r['count'] or '-'} | {r['ops']} | {r['hits'] + r['wrong_reads']} | "
-            f"{r['errors']} | "
-            f"{r['replicated_get_errors']} | {r['wrong_bytes']} | {secs(r['converge_s'])} | "
-            f"{secs(r['left_mirrors_s'])} |"
-        )
-    t = report["totals"]
-    lines.append(
-        f"| **total** | | {t['ops']} | {t['hits'] + t['wrong_reads']} | {t['errors']} | "
-        f"{t['replicated_get_errors']} | "
-        f"{t['wrong_bytes']} | | |"
-    )
-    lines += ["", "| server | restarts | RSS start -> end (MiB) | growth | fds before -> after "
-              "| threads before -> after |", "|---|---|---|---|---|---|"]  # fmt: skip
-    for n, s in report["servers"].items():
-        b, a = s["before"] or {}, s["after"] or {}
-        rss = (
-            f"{s['rss_start_kib'] / 1024:.0f} -> {s['rss_end_kib'] / 1024:.0f}"
-            if s["rss_start_kib"] and s["rss_end_kib"]
-            else "-"
-        )
-        growth = f"{s['rss_growth_pct']:+.1f}%" if s["rss_growth_pct"] is not None else "-"
-        lines.append(
-            f"| {n} | {s['restarts']} | {rss} | {growth} | {b.get('fds')} -> {a.get('fds')} | "
-            f"{b.get('threads')} -> {a.get('threads')} |"
-        )
-    cp = report["client_process"]
-    lines += [
-        "",
-        f"client process: fds {cp['before']['fds']} -> {cp['after']['fds']}, threads "
-        f"{cp['before']['threads']} -> {cp['after']['threads']}; shm segments left by node "
-        f"lives: {len(report['leaked_segments'])}; load average {report['load_avg_start'][0]:.1f} "
-        f"at start, {report.get('load_avg_end', [0])[0]:.1f} at end",
-    ]
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

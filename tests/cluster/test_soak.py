@@ -18,7 +18,7 @@ pytest.importorskip("aetcd")
 pytestmark = pytest.mark.process
 
 GRPC_AIO_THREADS = {"grpc_global_tim", "event_engine", "lifeguard", "python"}
-GRPC_AIO_FDS = 8
+GRPC_AIO_FDS = 10  # its epoll/eventfd descriptors and a few sockets: seen 7, bounded
 ISSUE_18 = (
     "issue 18: a node that hangs takes a cluster call's whole deadline instead of "
     "failing over (the deadline split in kvstore/client/cluster.py)"
@@ -62,9 +62,9 @@ def test_a_minute_of_faults_reads_no_wrong_bytes_and_leaks_nothing(tmp_path: Pat
     client = report["client_process"]
     before, after = client["before"], client["after"]
     extra = Counter(after["thread_names"]) - Counter(before["thread_names"])
-    # Once in a few runs, gRPC's process-wide aio state (its poller, event-engine and
-    # timer threads, ~7 fds) outlives clients closed after the faults; it does not
-    # grow with more faults or clients (reported in issue 18). Anything else is a leak.
+    # Often after an etcd restart, gRPC's process-wide aio state (its poller, event-engine
+    # and timer threads, ~7 fds) outlives the clients, all closed; it does not grow with
+    # more runs in one process (reported in issue 18). Anything else is a leak.
     assert set(extra) <= GRPC_AIO_THREADS and extra["python"] <= 1, client
     assert after["fds"] <= before["fds"] + (GRPC_AIO_FDS if extra else 0), client
 
