@@ -40,6 +40,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -200,15 +201,34 @@ def load_batched(ad: HFKVAdapter, store: Any, prompts: Sequence[Sequence[int]], 
 # -- measurements --------------------------------------------------------------------------
 
 
-def timed(fn: Callable[[], Any], runs: int) -> float:
-    """Median seconds of ``fn`` over ``runs`` runs (after one warm-up)."""
-    fn()
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return med(times)
+def timed_together(fns: dict[str, Callable[[], Any]], runs: int) -> dict[str, float]:
+    """Median seconds of each of ``fns``, measured in turns (one call of each per run,
+    after one warm-up round), so a busy moment on a shared machine slows all of them."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for r in range(runs + 1):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            if r:
+                times[k].append(time.perf_counter() - t0)
+    return {k: med(v) for k, v in times.items()}
+
+
+def _each_block(
+    fn: Callable[[torch.Tensor, torch.Tensor], Any], blocks: list[torch.Tensor]
+) -> Callable[[], None]:
+    """``fn(block, out)`` over ``blocks``, each with its own output tensor."""
+    outs = [torch.empty_like(b) for b in blocks]
+
+    def run() -> None:
+        for b, o in zip(blocks, outs, strict=True):
+            fn(b, o)
+
+    return run
+
+
+def _encode_one(codec: Any, block: torch.Tensor, _out: torch.Tensor) -> None:
+    codec.encode(block)
 
 
 def codec_speed(ads: dict[str, HFKVAdapter], blocks: list[torch.Tensor], runs: int) -> dict:
@@ -216,34 +236,24 @@ def codec_speed(ads: dict[str, HFKVAdapter], blocks: list[torch.Tensor], runs: i
     in one call (as HFKVAdapter.load_prefix decodes), in engine bytes, each beside a
     torch copy of the same bytes in the same pattern."""
     nbytes = sum(b.numel() * b.element_size() for b in blocks)
-    outs = [torch.empty_like(b) for b in blocks]
     stack = torch.stack(blocks)
     stack_out = torch.empty_like(stack)
-
-    def copy_blocks() -> None:
-        for b, o in zip(blocks, outs, strict=True):
-            o.copy_(b)
-
-    res: dict[str, Any] = {
-        "bytes": nbytes,
-        "encode_copy_GBps": nbytes / timed(copy_blocks, runs) / 1e9,
-        "decode_copy_GBps": nbytes / timed(lambda: stack_out.copy_(stack), runs) / 1e9,
+    fns: dict[str, Callable[[], Any]] = {
+        "encode_copy": _each_block(lambda b, o: o.copy_(b), blocks),
+        "decode_copy": lambda: stack_out.copy_(stack),
     }
     for name in CODECS[1:]:
-        codec = ads[name].codec
-        assert codec is not None
+        codec: Any = ads[name].codec
         encoded = codec.encode(stack)
-
-        def encode(c: Any = codec) -> None:
-            for b in blocks:
-                c.encode(b)
-
-        def decode(c: Any = codec, e: torch.Tensor = encoded) -> None:
-            c.decode(e, stack_out)
-
+        fns[f"{name}_encode"] = _each_block(partial(_encode_one, codec), blocks)
+        fns[f"{name}_decode"] = partial(codec.decode, encoded, stack_out)
+    secs = timed_together(fns, runs)
+    res: dict[str, Any] = {"bytes": nbytes, "runs": runs}
+    res["encode_copy_GBps"] = nbytes / secs["encode_copy"] / 1e9
+    res["decode_copy_GBps"] = nbytes / secs["decode_copy"] / 1e9
+    for name in CODECS[1:]:
         res[name] = {
-            "encode_GBps": nbytes / timed(encode, runs) / 1e9,
-            "decode_GBps": nbytes / timed(decode, runs) / 1e9,
+            f"{op}_GBps": nbytes / secs[f"{name}_{op}"] / 1e9 for op in ("encode", "decode")
         }
     return res
 
@@ -474,7 +484,7 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "block_shape": ", ".join(map(str, ads["none"].block_shape)),
         "block_bytes": {c: ads[c].stored_block_bytes for c in CODECS},
-        "speed": section("speed", lambda: codec_speed(ads, blocks, max(args.runs, 5))),
+        "speed": section("speed", lambda: codec_speed(ads, blocks, max(args.runs, 9))),
         "agreement": section("agreement", lambda: agreement(ads, prompts, args.new_tokens)),
         "perplexity": section("perplexity", lambda: perplexity(ads, windows, args.ppl_prefix)),
         "ttft": ttft,
