@@ -99,8 +99,9 @@ class ScaledCodec(KVCodec):
         (uint8 of the same shape, one byte per element)."""
 
     @abstractmethod
-    def _from_bytes(self, values: torch.Tensor) -> torch.Tensor:
-        """A new contiguous float32 tensor (``values``' shape) of what the bytes encode."""
+    def _from_bytes(self, values: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """What the bytes ``values`` (uint8) encode, as float32 of their shape: written
+        into ``out`` (contiguous) and returned, or a new tensor when that is faster."""
 
     def encoded_nbytes(self, shape: Sequence[int]) -> int:
         return encoded_nbytes(shape)
@@ -151,7 +152,13 @@ class ScaledCodec(KVCodec):
         scale = blocks[:, :n].reshape(-1).view(torch.float32)  # copied only if strided
         if not bool((torch.isfinite(scale) & (scale >= 0)).all()):
             raise CorruptBlock(f"{self.name} block has a negative or non-finite scale")
-        x = self._from_bytes(blocks[:, n:]).view(count * rows, tokens * dim)
-        x.mul_(scale.to(x.device).unsqueeze(1))
-        out.copy_(x.view(out.shape))
+        # A contiguous float32 output is dequantized in place; others go through one
+        # float32 buffer (the products are rounded once, to the output's dtype).
+        direct = out.dtype == torch.float32 and out.is_contiguous()
+        x = out if direct else torch.empty(out.shape, dtype=torch.float32, device=out.device)
+        values = self._from_bytes(blocks[:, n:], x.view(count, -1))
+        rows_of = (count * rows, tokens * dim)
+        torch.mul(values.view(rows_of), scale.to(x.device).unsqueeze(1), out=x.view(rows_of))
+        if not direct:
+            out.copy_(x)
         return out

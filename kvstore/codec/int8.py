@@ -26,5 +26,5 @@ class Int8Codec(ScaledCodec):
         scaled.round_().clamp_(-INT8_MAX, INT8_MAX)
         out.view(torch.int8).copy_(scaled)
 
-    def _from_bytes(self, values: torch.Tensor) -> torch.Tensor:
-        return values.view(torch.int8).to(torch.float32, memory_format=torch.contiguous_format)
+    def _from_bytes(self, values: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(values.view(torch.int8))
