@@ -283,7 +283,7 @@ def router_cost(stack: Any, n_tokens: int, iters: int) -> dict:
                             {"role": "user", "content": f"And question {i}?"}]  # fmt: skip
                 r = SimpleNamespace(kind="chat", messages=msgs, prompt=None)
                 t0 = time.perf_counter()
-                got = encode_request(enc, r, lambda h: placer.all_held(workers, h))
+                got = encode_request(enc, r, placer.held_walk(workers))
                 ids = got.ids
                 t1 = time.perf_counter()
                 keys = prefix_keys(ids, w0.block_tokens, ns)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,15 +98,13 @@ class PrefixView:
             return None
         return None if principal is None else principal.scope_all(keys)
 
-    def longest(self, keys: Sequence[bytes]) -> int:
-        """The longest leading run of ``keys`` any node holds (mirror or own writes)."""
-        if not keys:
-            return 0
-        best = max(self._recent_runs(keys).values(), default=0)
-        scoped = self._scoped(keys) if self.client is not None else None
-        if scoped is not None:
-            best = max(best, max(self.client.mirror.longest_prefix(scoped).values(), default=0))
-        return int(best)
+    def holds(self, key: bytes) -> bool:
+        """Does any node hold ``key`` (mirror, or a write of this router's just now)?"""
+        seen = self._recent.get(key)
+        if seen and max(seen.values()) >= time.monotonic() - self.RECENT_S:
+            return True
+        scoped = self._scoped([key]) if self.client is not None else None
+        return bool(scoped and self.client.mirror.replicas(scoped[0]))
 
     def runs(self, keys: Sequence[bytes]) -> dict[str, list[tuple[TierKind, int]]]:
         """node id -> [(tier, blocks), ...] of its leading run of ``keys``."""
@@ -268,17 +266,26 @@ class Placer:
             return own
         return max(prefill.seconds(w.load.queued_tokens, 0), own)
 
-    def all_held(self, workers: Sequence[WorkerRecord], ids: Sequence[int]) -> bool:
-        """Is every full block of ``ids`` held by some store node? (While it is, a
-        longer prefix of the prompt may still match; once not, none can.)"""
+    def held_walk(self, workers: Sequence[WorkerRecord]) -> Callable[[list[int]], bool]:
+        """A ``keep_going`` for engine/serving/prompts.py ``encode_until``: called with
+        a growing head of the prompt, it says whether the head's last full block is
+        held by some store node (while it is, a longer prefix may still match; once
+        not, none can). Keys are chained on from the previous call, and one key is
+        looked up per call, so a walk costs O(blocks), not O(blocks^2)."""
         if not workers:
-            return False
+            return lambda _ids: False
         w0 = workers[0]
-        n = len(ids) // w0.block_tokens
-        if n == 0:
-            return True
-        keys = prefix_keys(ids[: n * w0.block_tokens], w0.block_tokens, Namespace(**w0.namespace))
-        return self.prefixes.longest(keys) >= n
+        bt, ns = w0.block_tokens, Namespace(**w0.namespace)
+        keys: list[bytes] = []
+
+        def keep_going(ids: list[int]) -> bool:
+            n = len(ids) // bt
+            if n > len(keys):
+                parent = keys[-1] if keys else None
+                keys.extend(prefix_keys(ids[len(keys) * bt : n * bt], bt, ns, parent=parent))
+            return n == 0 or self.prefixes.holds(keys[n - 1])
+
+        return keep_going
 
     def keys(self, workers: Sequence[WorkerRecord], ids: Sequence[int]) -> Sequence[bytes]:
         """The prefix keys of ``ids`` for this model's workers."""

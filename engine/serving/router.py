@@ -197,7 +197,7 @@ class Router:
         """The request's prompt, a long new message only as far as routing needs."""
         if not workers:
             return encode_request(enc, req)
-        return encode_request(enc, req, lambda head: self.placer.all_held(workers, head))
+        return encode_request(enc, req, self.placer.held_walk(workers))
 
     # -- one request -----------------------------------------------------------------------
 
