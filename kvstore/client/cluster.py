@@ -296,8 +296,9 @@ class ClusterClient:
                 self._recent.pop(k, None)
         deadline = self._deadline(timeout)
         removed, members = 0, self.members
-        for node_id in members.live():
-            left = _left(deadline)
+        live = list(members.live())
+        for i, node_id in enumerate(live):
+            left = _share(deadline, len(live) - i)  # a hung node costs only its share
             try:
                 removed += members.client(node_id).remove(ks, timeout=left)
             except NODE_FAILURES as exc:
@@ -309,8 +310,9 @@ class ClusterClient:
         deadline = self._deadline(timeout)
         per_node: dict[str, Any] = {}
         members = self.members
-        for node_id in members.live():
-            left = _left(deadline)
+        live = list(members.live())
+        for i, node_id in enumerate(live):
+            left = _share(deadline, len(live) - i)
             try:
                 per_node[node_id] = members.client(node_id).stats(timeout=left)
             except NODE_FAILURES as exc:

@@ -87,6 +87,7 @@ def test_a_hung_node_costs_a_share_of_the_deadline_not_all_of_it(
         _client(etcd_server.endpoint, cluster_name, node_id="a") as reader,
         _client(etcd_server.endpoint, cluster_name, node_id="a") as writer,
         _client(etcd_server.endpoint, cluster_name, node_id="b") as cb,
+        _client(etcd_server.endpoint, cluster_name, node_id="a") as remover,
     ):
         assert writer.put(both, _value(both)) and cb.put(both, _value(both))
 
@@ -98,6 +99,7 @@ def test_a_hung_node_costs_a_share_of_the_deadline_not_all_of_it(
         out = np.empty_like(_value(both))
         assert reader.get_into(both, out)  # from a (nearest by node id): connection open
         assert reader.counters.get("served.a") == 1
+        assert remover.get_into(both, out)  # its connection to a is open too
 
         os.kill(nodes["a"].pid, signal.SIGSTOP)
         try:
@@ -112,9 +114,14 @@ def test_a_hung_node_costs_a_share_of_the_deadline_not_all_of_it(
             assert writer.put(fresh, _value(fresh)) is True  # a first, then b
             took_put = time.monotonic() - t0
             assert writer.counters.get("node_failures") == 1
+
+            t0 = time.monotonic()  # remove asks every live node: a hung one costs a share
+            assert remover.remove([fresh]) >= 1  # b's copy went (a, frozen, may store
+            # the put it had half-received once it runs again)
+            took_remove = time.monotonic() - t0
         finally:
             os.kill(nodes["a"].pid, signal.SIGCONT)
         print(f"get failed over in {took_get:.2f} s, put in {took_put:.2f} s")
         assert took_get < 0.75 * DEADLINE_S
         assert took_put < 0.75 * DEADLINE_S
-        assert np.array_equal(writer.get(fresh), _value(fresh))  # from b, where it landed
+        assert took_remove < 0.75 * DEADLINE_S
