@@ -94,6 +94,11 @@ class ValueInfo:
         if self.kind == KIND_BYTES:
             self._check_raw_size(layout)  # no geometry to check: the size must still fit
             return
+        if layout.codec:
+            raise LayoutMismatch(
+                f"layout {layout.canonical()} stores {layout.codec}-compressed bytes; "
+                "encode the block with its codec (kvstore.codec) and put the bytes"
+            )
         if self.dtype != layout.dtype:
             raise LayoutMismatch(f"dtype {self.dtype} does not match the layout's {layout.dtype}")
         want = (layout.layers, 2, layout.kv_heads, layout.block_tokens, layout.head_dim)

@@ -88,6 +88,8 @@ def test_store_takes_only_the_codec_size_under_a_compressed_namespace() -> None:
     with StoreNode(node_id="u", dram_bytes=1 << 20) as node:
         with pytest.raises(LayoutMismatch, match="holds"):
             node.put(key, bytes(data.numpy()[:-1]), namespace=ns)
+        with pytest.raises(LayoutMismatch, match="compressed"):  # an uncompressed tensor
+            node.put(key, x, namespace=ns)
         assert node.put(key, data.numpy().data, namespace=ns)
         assert node.get(key, namespace=ns) == bytes(data.numpy())
         raw_ns = Namespace("m", RAW)
