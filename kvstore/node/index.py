@@ -20,10 +20,11 @@ never see freed or reused bytes. Lock order: this lock, then a tier's own (the S
 tier's index lock); a tier never calls back into the index.
 
 Waiting for room. A writer that finds a tier full and every block in it pinned or
-MOVING does not fail while demotions out of that tier are in flight (``_demoting``):
-it waits on ``_room`` (a Condition over ``_lock``, notified as each demotion ends) for
-up to ``ROOM_WAIT_S``, then looks again. Only a tier with nothing on its way out is
-reported full (CapacityError, retryable).
+MOVING does not fail while demotions out of that tier, or writes into it, are in
+flight (``_demoting``, ``_writing``: a committed write is a block that can be demoted):
+it waits on ``_room`` (a Condition over ``_lock``, notified as each demotion or write
+ends) for up to ``ROOM_WAIT_S``, then looks again. Only a tier with nothing on its way
+in or out is reported full (CapacityError, retryable).
 
 Budgets. A set of namespaces may have a Budget (budgets.py: a tenant's quota as the
 server hands it down); the index's Ledger keeps each namespace's bytes and blocks per
@@ -116,6 +117,8 @@ class BlockIndex:
         self._entries: dict[Hashable, Entry] = {}
         self._policies: list[EvictionPolicy] = []
         self._demoting: list[int] = []  # per level: demotions out of it in flight
+        self._writing: list[int] = []  # per level: reservations (puts) into it in flight
+        self._room_waiters = 0  # writers waiting on _room
         self._kept: list[OrderedDict[bytes, Entry]] = []  # per level: kept copies there
         self._published: IndexWriter | None = None
         self._ledger = Ledger(lambda level: self._tiers[level].kind)
@@ -128,6 +131,7 @@ class BlockIndex:
         with self._lock:
             self._policies.append(make_policy(self._policy, tier.capacity))
             self._demoting.append(0)
+            self._writing.append(0)
             self._kept.append(OrderedDict())
             level = len(self._policies) - 1
         now = time.monotonic()
@@ -310,8 +314,10 @@ class BlockIndex:
                         continue
                 place = tier.allocate(size)
                 if place is not None:
-                    if reservation and fp is not None:
-                        self._ledger.reserve(fp, size)
+                    if reservation:
+                        self._writing[level] += 1
+                        if fp is not None:
+                            self._ledger.reserve(fp, size)
                     return Room(place=place)
                 if self._drop_kept_locked(level):
                     continue
@@ -360,18 +366,23 @@ class BlockIndex:
         return None
 
     def _wait_for_room_locked(self, level: int, wait_until: float | None) -> float:
-        """Wait for a demotion out of ``level`` to end; CapacityError when none is in
-        flight or the wait ran out. Returns the wait's end (the same for every round)."""
+        """Wait for a demotion out of ``level``, or a write into it, to end (a committed
+        write is a block that can be demoted); CapacityError when neither is in flight or
+        the wait ran out. Returns the wait's end (the same for every round)."""
         now = time.monotonic()
         wait_until = now + ROOM_WAIT_S if wait_until is None else wait_until
-        if not self._demoting[level] or now >= wait_until:
+        if not (self._demoting[level] or self._writing[level]) or now >= wait_until:
             kind = self._tiers[level].kind.value
             raise CapacityError(
                 f"{kind} tier is full: every block in it is pinned or moving, the rest of "
                 "it is held by writes in flight"
             )
         self._counters.inc("room_waits")
-        self._room.wait(wait_until - now)
+        self._room_waiters += 1
+        try:
+            self._room.wait(wait_until - now)
+        finally:
+            self._room_waiters -= 1
         return wait_until
 
     def _busy(self, key: Hashable) -> bool:
@@ -385,6 +396,7 @@ class BlockIndex:
         size = header.total_len
         with self._lock:
             self._ledger.unreserve(header.namespace_fp, size)
+            self._end_write_locked(level)
             if key in self._entries:
                 self._tiers[level].release(key, place)
                 return False
@@ -404,7 +416,13 @@ class BlockIndex:
         with self._lock:
             if reserved is not None:
                 self._ledger.unreserve(*reserved)
+                self._end_write_locked(level)
             self._discard_locked(key, level, place)
+
+    def _end_write_locked(self, level: int) -> None:
+        self._writing[level] = max(self._writing[level] - 1, 0)
+        if self._room_waiters:  # the common case, nobody waiting, costs no notify
+            self._room.notify_all()
 
     def _discard_locked(self, key: bytes, level: int, place: int) -> None:
         if place != NO_PLACE or not self._holds(key, level):

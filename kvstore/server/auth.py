@@ -28,7 +28,7 @@ from kvstore.config import ServerConfig
 from kvstore.errors import AuthError, ConfigError
 from kvstore.tenants import DEFAULT_TENANT, MIN_SECRET_BYTES, Principal, derive_scope_key
 
-__all__ = ["TokenTable"]
+__all__ = ["TokenTable", "read_tokens_file"]
 
 
 def _digest(token: str) -> bytes:
@@ -101,9 +101,9 @@ class TokenTable:
         return self.authenticate(token)
 
 
-def _read_tokens(path: str) -> tuple[list[tuple[str, str, bool]], bytes]:
-    """``[[tokens]]`` entries (TOML, or JSON ``{"tokens": [...]}``) as (token, tenant,
-    admin), and the file's ``scope_secret`` (b"" when it has none)."""
+def read_tokens_file(path: str) -> dict[str, Any]:
+    """The tokens file as a table (TOML, or JSON when it ends in .json); what this module
+    reads from it and what kvstore/server/quotas.py reads share this one parse."""
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -115,7 +115,16 @@ def _read_tokens(path: str) -> tuple[list[tuple[str, str, bool]], bytes]:
             doc = tomllib.loads(data.decode())
     except (OSError, ValueError, UnicodeDecodeError) as exc:
         raise ConfigError(f"tokens_file {path!r}: {exc}") from None
-    items = doc.get("tokens") if isinstance(doc, dict) else None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"tokens_file {path!r}: expected a table at the top")
+    return doc
+
+
+def _read_tokens(path: str) -> tuple[list[tuple[str, str, bool]], bytes]:
+    """``[[tokens]]`` entries (TOML, or JSON ``{"tokens": [...]}``) as (token, tenant,
+    admin), and the file's ``scope_secret`` (b"" when it has none)."""
+    doc = read_tokens_file(path)
+    items = doc.get("tokens")
     if not isinstance(items, list) or not items:
         raise ConfigError(f"tokens_file {path!r}: expected a non-empty [[tokens]] list")
     secret = doc.get("scope_secret", "")

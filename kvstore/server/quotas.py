@@ -42,7 +42,6 @@ The quota is per node: a cluster of N nodes lets a tenant hold up to N times it.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -51,6 +50,7 @@ from typing import Any
 from kvstore.config import ServerConfig, parse_size
 from kvstore.errors import ConfigError
 from kvstore.node.budgets import Budget
+from kvstore.server.auth import read_tokens_file
 from kvstore.tenants import DEFAULT_TENANT
 from kvstore.tiering import TierKind
 
@@ -99,7 +99,7 @@ class Quotas:
     @classmethod
     def load(cls, path: str) -> Quotas:
         """Read and validate the quotas of a tokens file (TOML, or JSON by extension)."""
-        doc = _read(path)
+        doc = read_tokens_file(path)
         raw = doc.get("quotas", {})
         if not isinstance(raw, dict):
             raise ConfigError(f"tokens_file {path!r}: quotas must be a table of tenants")
@@ -124,23 +124,6 @@ class Quotas:
 
     def __len__(self) -> int:
         return len(self._by_tenant)
-
-
-def _read(path: str) -> dict[str, Any]:
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-        if path.endswith(".json"):
-            doc = json.loads(data)
-        else:
-            import tomllib
-
-            doc = tomllib.loads(data.decode())
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"tokens_file {path!r}: {exc}") from None
-    if not isinstance(doc, dict):
-        raise ConfigError(f"tokens_file {path!r}: expected a table at the top")
-    return doc
 
 
 def _parse(where: str, tenant: str, table: object) -> TenantQuota:
