@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from kvstore.errors import Unavailable
 
-__all__ = ["Child", "ReadyChild", "spawn", "stop_group", "wait_ready"]
+__all__ = ["Child", "ReadyChild", "serve_argv", "spawn", "stop_group", "wait_ready"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -66,6 +66,18 @@ class Child:
         except OSError:
             return f"[{self.name}] (no log)"
         return f"[{self.name}] " + (text.splitlines()[-1] if text else "(no output)")
+
+
+def serve_argv(flags: Mapping[str, Any]) -> list[str]:
+    """``kvstore serve --json`` with ``flags`` (``name=value``; True for a bare switch,
+    None left out), run by this interpreter."""
+    argv = [sys.executable, "-m", "kvstore.cli", "serve", "--json"]
+    for name, value in flags.items():
+        if value is True:
+            argv.append("--" + name.replace("_", "-"))
+        elif value is not None:
+            argv += ["--" + name.replace("_", "-"), str(value)]
+    return argv
 
 
 def spawn(name: str, argv: Sequence[str], *, log: Path, env: Mapping[str, str]) -> Child:

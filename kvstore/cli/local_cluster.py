@@ -23,14 +23,13 @@ from __future__ import annotations
 import secrets
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstore.cli.children import spawn, stop_group, wait_ready
+from kvstore.cli.children import serve_argv, spawn, stop_group, wait_ready
 from kvstore.config import EtcdAuth, ServerConfig, child_env, load_layered
 from kvstore.directory.etcd_process import EtcdProcess
 from kvstore.errors import ConfigError
@@ -158,13 +157,7 @@ class LocalCluster:
         }
         if self.ssd:
             flags.update(ssd_path=workdir / "ssd", ssd_bytes=self.ssd)
-        argv = [sys.executable, "-m", "kvstore.cli", "serve", "--json"]
-        for name, value in flags.items():
-            if value is True:
-                argv.append("--" + name.replace("_", "-"))
-            elif value is not None:
-                argv += ["--" + name.replace("_", "-"), str(value)]
-        return argv
+        return serve_argv(flags)
 
     def _spawn(self, i: int) -> NodeProcess:
         workdir = self.root / f"n{i}"

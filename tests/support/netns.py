@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstore.cli.children import Child, spawn, stop_group, wait_ready
+from kvstore.cli.children import Child, serve_argv, spawn, stop_group, wait_ready
 from kvstore.directory.etcd_process import EtcdProcess, etcd_binary
 from kvstore.shm.index import index_name
 
@@ -409,13 +409,7 @@ class NetnsNode:
         }
         if flags.get("ssd_bytes"):
             flags["ssd_path"] = self.workdir / "ssd"
-        argv = [sys.executable, "-m", "kvstore.cli", "serve", "--json"]
-        for name, value in flags.items():
-            if value is True:
-                argv.append("--" + name.replace("_", "-"))
-            elif value is not None:
-                argv += ["--" + name.replace("_", "-"), str(value)]
-        return argv
+        return serve_argv(flags)
 
     def spawn(self) -> Child:
         """Start the process; :meth:`start` or :func:`start_nodes` wait for it. Call from a
