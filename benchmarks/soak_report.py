@@ -44,6 +44,7 @@ class Proc:
     threads: int
     thread_names: dict[str, int] = field(default_factory=dict)  # name -> how many
     fd_kinds: dict[str, int] = field(default_factory=dict)  # socket, pipe, file, anon_inode:...
+    sockets: list[str] = field(default_factory=list)  # each socket fd's ends, for a leak's reader
 
 
 def proc_facts(pid: int) -> Proc:
@@ -61,7 +62,50 @@ def proc_facts(pid: int) -> Proc:
         threads=status.get("Threads", 0),
         thread_names=dict(Counter(_thread_names(pid))),
         fd_kinds=dict(Counter(_fd_kinds(pid))),
+        sockets=_sockets(pid),
     )
+
+
+_TCP_STATES = {"01": "ESTABLISHED", "06": "TIME_WAIT", "07": "CLOSE", "08": "CLOSE_WAIT",
+               "0A": "LISTEN", "04": "FIN_WAIT1", "05": "FIN_WAIT2", "09": "LAST_ACK"}  # fmt: skip
+
+
+def _hex_addr(text: str) -> str:
+    """``0100007F:1F90`` (as /proc/net/tcp writes it) -> ``127.0.0.1:8080``."""
+    ip, port = text.split(":")
+    if len(ip) != 8:
+        return f"[{ip}]:{int(port, 16)}"
+    return ".".join(str(int(ip[i : i + 2], 16)) for i in (6, 4, 2, 0)) + f":{int(port, 16)}"
+
+
+def _socket_table(pid: int) -> dict[str, str]:
+    """Socket inode -> a line naming its ends, from the process's view of /proc/net."""
+    table: dict[str, str] = {}
+    for proto in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/net/{proto}") as f:
+            for line in list(f)[1:]:
+                cols = line.split()
+                state = _TCP_STATES.get(cols[3], cols[3])
+                table[cols[9]] = f"{proto} {_hex_addr(cols[1])}->{_hex_addr(cols[2])} {state}"
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/net/unix") as f:
+        for line in list(f)[1:]:
+            cols = line.split()
+            table[cols[6]] = f"unix {cols[7] if len(cols) > 7 else '(unnamed)'}"
+    return table
+
+
+def _sockets(pid: int) -> list[str]:
+    """Each socket fd of ``pid``: its protocol and ends (``socket:[inode]`` if unknown)."""
+    inodes = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.append(target[len("socket:[") : -1])
+    if not inodes:
+        return []
+    table = _socket_table(pid)
+    return sorted(table.get(i, f"socket:[{i}]") for i in inodes)
 
 
 def _fd_kinds(pid: int) -> list[str]:

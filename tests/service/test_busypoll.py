@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -201,7 +202,7 @@ def test_clients_taking_turns_fast_turn_polling_off_for_a_while(
     t0 = time.monotonic()
     assert not poller.wait(fs, 1)
     assert time.monotonic() - t0 < 0.1  # refused, not polled
-    time.sleep(0.25)  # quiet_s later, a lone client is polled for again
+    time.sleep(0.25)  # quiet_s (a timer, the thing under test) later: polled for again
     client.sendall(frame(Op.EXISTS, b""))
     assert poller.wait(fs, 1)
 
@@ -224,7 +225,7 @@ def test_a_poller_its_owner_forbids_never_polls(
     poller = IdlePoller(5.0, counters, may_poll=lambda: allowed[0])
     poller.served(1)
     client.sendall(frame(Op.EXISTS, b""))
-    time.sleep(0.05)
+    assert select.select([fs.sock], [], [], 5.0)[0]  # the frame has arrived
     t0 = time.monotonic()
     assert not poller.wait(fs, 1)  # refused at once, though a frame is waiting
     assert time.monotonic() - t0 < 1.0

@@ -224,6 +224,8 @@ def write_trace(path: Path, n: int = 200) -> Path:
     return path
 
 
+# matplotlib runs fc-list to build its font cache on a machine's first plot
+@pytest.mark.process
 def test_plan_json_and_plot(tmp_path: Path) -> None:
     trace_file = write_trace(tmp_path / "t.jsonl")
     png = tmp_path / "hit.png"
