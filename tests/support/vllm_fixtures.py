@@ -29,10 +29,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SMOL", "TINY", "EngineProcess", "EngineSpec", "engine_env", "write_tiny_llama"]
+__all__ = [
+    "OTHER_ISA",
+    "SMOL",
+    "TINY",
+    "EngineProcess",
+    "EngineSpec",
+    "engine_env",
+    "write_tiny_llama",
+]
 
 BLOCK = 32
 START_TIMEOUT = 240.0
+OTHER_ISA = "other"  # EngineSpec.attn_isa: a kernel the other engines do not run
 
 
 TINY = dict(layers=2, heads=4, kv_heads=2, head_dim=32, intermediate=256, vocab=512)
@@ -115,12 +124,17 @@ class EngineSpec:
     block_size: int = BLOCK
     max_batched_tokens: int | None = None  # prefill chunk; None: max_model_len
     # The CPU attention kernel (vec, vec16, amx, ...); None: the one vLLM picks for this
-    # CPU, or KVSTORE_TEST_VLLM_ISA when set (to run the suite on another kernel).
+    # CPU, or KVSTORE_TEST_VLLM_ISA when set (to run the suite on another kernel);
+    # OTHER_ISA: a kernel the engines without one do not run, decided in the child from
+    # what vLLM picks there (never a constant that holds on one CPU only).
     attn_isa: str | None = None
 
     def __post_init__(self) -> None:
+        forced = os.environ.get("KVSTORE_TEST_VLLM_ISA") or None  # not seen by children
         if self.attn_isa is None:
-            self.attn_isa = os.environ.get("KVSTORE_TEST_VLLM_ISA") or None
+            self.attn_isa = forced
+        elif self.attn_isa == OTHER_ISA and forced:
+            self.attn_isa = other_than(forced)
 
 
 class EngineProcess:
@@ -278,12 +292,31 @@ class _LoadFaults:
 # -- the child -------------------------------------------------------------------------
 
 
-def _force_attn_isa(isa: str) -> None:
+def _force_attn_isa(isa: str, spec: EngineSpec) -> None:
     """Make vLLM's CPU backend (and the connector, which asks the same function) run
     ``isa``: vLLM has no switch for it, and the choice is made in this process."""
     from vllm.v1.attention.backends import cpu_attn
 
+    if isa == OTHER_ISA:
+        isa = _other_isa(cpu_attn._get_attn_isa, spec)
     cpu_attn._get_attn_isa = lambda *args, **kwargs: isa
+
+
+def _other_isa(pick: Any, spec: EngineSpec) -> str:
+    """A kernel other than the one vLLM picks for this geometry on this CPU."""
+    import torch
+
+    dtype = getattr(torch, spec.dtype)
+    try:
+        theirs = pick(dtype, spec.block_size, TINY["head_dim"])
+    except TypeError:  # older vLLM: (dtype, block_size)
+        theirs = pick(dtype, spec.block_size)
+    return other_than(theirs)
+
+
+def other_than(isa: str) -> str:
+    """vec16 (it takes any geometry), or vec when the others run vec16."""
+    return "vec" if isa == "vec16" else "vec16"
 
 
 def _build_llm(spec: EngineSpec) -> Any:
@@ -291,7 +324,7 @@ def _build_llm(spec: EngineSpec) -> Any:
     from vllm.config import KVTransferConfig
 
     if spec.attn_isa is not None:
-        _force_attn_isa(spec.attn_isa)
+        _force_attn_isa(spec.attn_isa, spec)
 
     kv = None
     if spec.role is not None:

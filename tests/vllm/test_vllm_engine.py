@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib.util
 import mmap
-import os
 import random
 import signal
 import threading
@@ -28,7 +27,13 @@ import torch
 
 from kvstore import Namespace, StoreClient, prefix_keys
 from tests.support.server_process import ALPHA, ServerProcess, base_flags
-from tests.support.vllm_fixtures import BLOCK, EngineProcess, EngineSpec, write_tiny_llama
+from tests.support.vllm_fixtures import (
+    BLOCK,
+    OTHER_ISA,
+    EngineProcess,
+    EngineSpec,
+    write_tiny_llama,
+)
 
 # Checked without importing vLLM here (6 s): only the engine children need it.
 if importlib.util.find_spec("vllm") is None:
@@ -86,7 +91,7 @@ def engines(root: Path, store: ServerProcess) -> Iterator[dict[str, EngineProces
         # Decode on other hardware: a consumer forced onto a kernel both16 does not run
         # (both16 runs vec here, amx on an AMX machine), so their pages differ.
         "cons16": EngineSpec(
-            model, dtype="bfloat16", role="kv_consumer", extra=extra, attn_isa=other_isa()
+            model, dtype="bfloat16", role="kv_consumer", extra=extra, attn_isa=OTHER_ISA
         ),
     }
     started = {name: EngineProcess(spec, root, name, hold=True) for name, spec in specs.items()}
@@ -102,12 +107,6 @@ def engines(root: Path, store: ServerProcess) -> Iterator[dict[str, EngineProces
             e.quit()
         for e in started.values():
             e.close()
-
-
-def other_isa() -> str:
-    """A kernel the other engines do not run: vec16 (it takes any geometry), or vec when
-    the whole suite is forced onto vec16 (KVSTORE_TEST_VLLM_ISA)."""
-    return "vec" if os.environ.get("KVSTORE_TEST_VLLM_ISA") == "vec16" else "vec16"
 
 
 def prompt(seed: int, n: int) -> list[int]:
