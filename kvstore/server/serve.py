@@ -33,7 +33,6 @@ from typing import Any
 import grpc
 
 from kvstore._proto import store_pb2 as pb
-from kvstore._proto import store_pb2_grpc as pb_grpc
 from kvstore.config import NodeConfig, ServerConfig, load_layered, read_config_file
 from kvstore.errors import ConfigError
 from kvstore.node.store import StoreNode
@@ -43,7 +42,7 @@ from kvstore.server.gateway import Gateway
 from kvstore.server.membership import Membership, node_record
 from kvstore.server.namespaces import NamespaceRegistry
 from kvstore.server.quotas import Quotas
-from kvstore.server.service import StoreServicer
+from kvstore.server.service import StoreServicer, add_to_server
 from kvstore.tenants import Principal
 from kvstore.wire.locality import host_id, hostname
 
@@ -90,7 +89,7 @@ class StoreServer:
             self.data_port = self._data.start(f"kvstore-{self.node.node_id}-{self.instance_id}")
             self._grpc = grpc.aio.server(self._pool, options=_grpc_options(c))
             servicer = StoreServicer(gw, self.tokens, self.info, self._pool)
-            pb_grpc.add_StoreServicer_to_server(servicer, self._grpc)
+            add_to_server(servicer, self._grpc)
             self.port = self._bind_grpc()
             await self._grpc.start()
             self._start_metrics(gw)

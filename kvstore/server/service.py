@@ -13,6 +13,10 @@ Drain) run on the event loop; anything that may touch the SSD tier or copy block
 in the thread pool, so one slow disk never stalls other clients' control calls. Store
 errors leave through ``grpc_errors.abort`` (status + stable code); anything else is
 logged and sent as an internal error without its details.
+
+Requests are registered with :func:`add_to_server`, whose parsing hands a request that
+does not decode to its handler, which answers INVALID_ARGUMENT once the caller has
+authenticated (grpc's own parsing would answer UNKNOWN and log a traceback per call).
 """
 
 from __future__ import annotations
@@ -24,9 +28,13 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+import grpc
+from google.protobuf import message_factory
+from google.protobuf.message import DecodeError, Message
+
 from kvstore._proto import store_pb2 as pb
 from kvstore._proto import store_pb2_grpc as pb_grpc
-from kvstore.errors import KVStoreError
+from kvstore.errors import InvalidValue, KVStoreError
 from kvstore.server.auth import TokenTable
 from kvstore.server.gateway import Gateway
 from kvstore.server.maintenance import EvictSpec, ImportItem, Maintenance, ScanSpec
@@ -34,7 +42,7 @@ from kvstore.tenants import Principal
 from kvstore.wire import grpc_errors
 from kvstore.wire.codec import info_from_meta, stats_to_proto, status_of
 
-__all__ = ["StoreServicer"]
+__all__ = ["StoreServicer", "add_to_server"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -51,6 +59,8 @@ def _rpc(admin: str | None = None) -> Callable[[Handler], Any]:
                 p = self.tokens.from_metadata(context.invocation_metadata())
                 if admin:
                     p.require_admin(admin)
+                if isinstance(request, _Undecodable):
+                    raise InvalidValue(request.error)
                 return await fn(self, p, request)
             except KVStoreError as exc:
                 await grpc_errors.abort(context, exc)
@@ -61,6 +71,43 @@ def _rpc(admin: str | None = None) -> Callable[[Handler], Any]:
         return handler
 
     return deco
+
+
+class _Undecodable:
+    """A request whose bytes are not its message (answered INVALID_ARGUMENT by _rpc)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _lenient(cls: type[Message]) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return cls.FromString(data)
+        except DecodeError as exc:
+            return _Undecodable(f"undecodable {cls.DESCRIPTOR.name}: {exc}")
+
+    return parse
+
+
+def add_to_server(servicer: StoreServicer, server: grpc.aio.Server) -> None:
+    """Register ``servicer`` as store_pb2_grpc.add_StoreServicer_to_server does, but
+    with request parsing that never raises (see :class:`_Undecodable`)."""
+    service = pb.DESCRIPTOR.services_by_name["Store"]
+    handlers = {
+        m.name: grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, m.name),
+            request_deserializer=_lenient(message_factory.GetMessageClass(m.input_type)),
+            response_serializer=message_factory.GetMessageClass(m.output_type).SerializeToString,
+        )
+        for m in service.methods
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service.full_name, handlers),)
+    )
+    server.add_registered_method_handlers(service.full_name, handlers)
 
 
 class StoreServicer(pb_grpc.StoreServicer):

@@ -4,6 +4,7 @@ off at the frame's deadline, and peers that never authenticate cannot take every
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import time
 from pathlib import Path
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from kvstore._proto import store_pb2 as pb
+from kvstore.config import ServerConfig
 from kvstore.server.dataserver import HELLO_MAX_META
 from kvstore.wire.frames import HEADER, MAGIC, PROTOCOL, FrameSocket, Op
 from tests.support.server_fixtures import ServerFactory
@@ -38,11 +40,12 @@ def _error_then_close(sock: socket.socket) -> str:
     return str(message)
 
 
-def _rss_kib(pid: int) -> int:
+def _rss_kib(pid: int, field: str = "VmRSS") -> int:
+    """A memory figure of /proc/<pid>/status in KiB: VmRSS (now) or VmHWM (the peak)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1])
-    raise AssertionError("no VmRSS")
+    raise AssertionError(f"no {field}")
 
 
 def test_a_hello_claiming_a_huge_frame_is_refused_before_allocation(
@@ -109,3 +112,80 @@ def test_unauthenticated_peers_cannot_take_every_slot(server_factory: ServerFact
         wait_until(lambda: c.stats()["server"]["handshakes"] == 0, "the slots freed")
     with server.client(ALPHA, transport="tcp") as fresh:  # new clients get in again
         assert np.array_equal(fresh.get(key), np.arange(16, dtype=np.uint8))
+
+
+def test_peak_memory_under_256_hostile_connections_is_bounded(
+    server_factory: ServerFactory,
+) -> None:
+    """256 peers each start a HELLO that claims the most metadata a HELLO may carry, then
+    dribble it a byte at a time and stall: the server's resident memory, and its peak,
+    stay bounded, and a client keeps putting and getting (issue 17: before the fix, 12
+    peers claiming 16 MiB each cost the server 193 MiB; 256 would cost about 4 GiB)."""
+    server = server_factory()  # the defaults: max_handshakes 64, max_connections 256
+    defaults = {f.name: f.default for f in dataclasses.fields(ServerConfig)}
+    limit = 64
+    assert defaults["max_handshakes"] == limit and defaults["max_connections"] == 256
+    pid = server.pid
+    n, claim = 256, HELLO_MAX_META
+    with server.client(ALPHA, transport="tcp") as c:
+        key = b"m" * 16
+        value = np.arange(64, dtype=np.uint8)
+        assert c.put(key, value)
+        assert c.stats()["server"]["handshakes"] == 0
+        before, hwm_before = _rss_kib(pid), _rss_kib(pid, "VmHWM")
+        partial = pb.Hello(token="x" * 64, protocol=PROTOCOL).SerializeToString()[:8]
+        socks = []
+        for _ in range(n):
+            s = _raw(server)
+            s.sendall(HEADER.pack(MAGIC, Op.HELLO, 0, claim, 0) + partial)
+            socks.append(s)
+        # Past the handshake limit a peer is answered ERROR and closed; the rest hold
+        # their slot, dribbling one more byte of the claimed metadata every 0.25 s.
+        wait_until(lambda: c.stats()["server"]["handshakes"] == limit, f"{limit} in HELLO")
+        live = list(socks)
+        peak = before
+        for _ in range(8):
+            for s in list(live):
+                try:
+                    s.sendall(b"\x00")
+                except OSError:
+                    live.remove(s)
+            peak = max(peak, _rss_kib(pid))
+            time.sleep(0.25)
+        # A client already in keeps working while every handshake slot is taken.
+        assert c.put(b"n" * 16, value)
+        assert np.array_equal(c.get(key), value)
+        assert c.stats()["server"]["handshakes"] == limit
+        peak = max(peak, _rss_kib(pid))
+        hwm = _rss_kib(pid, "VmHWM")
+        refused = 0
+        for s in socks:  # refused: an ERROR frame (or EOF, a reset) waits; held: nothing
+            s.setblocking(False)
+            try:
+                s.recv(1 << 16)
+            except BlockingIOError:
+                continue
+            except OSError:
+                pass
+            refused += 1
+        for s in socks:
+            s.close()
+        wait_until(lambda: c.stats()["server"]["handshakes"] == 0, "the slots freed")
+    grew, peak_grew = peak - before, max(hwm, peak) - before
+    print(  # reported with -s
+        f"server memory under {n} hostile HELLOs ({n - refused} held, {refused} refused): "
+        f"VmRSS before {before} KiB, peak {peak} KiB, grew {grew} KiB; VmHWM before "
+        f"{hwm_before} KiB, after {hwm} KiB (peak growth {peak_grew} KiB)"
+    )
+    assert n - refused == limit, f"{n - refused} peers held a handshake slot"
+    # Why it holds: at most max_handshakes (64) peers are in HELLO at once, and all one
+    # of them can make the server hold is its connection thread (the stack pages it
+    # touched, its frame objects) and its FrameSocket's 64 KiB read buffer, which the
+    # HELLO cap (HELLO_MAX_META, 4 KiB of metadata) fits inside: no claimed length is
+    # allocated. The peers refused past the limit cost a thread and a buffer for a
+    # moment each. So ~64 x ~100 KiB: measured 6.1-6.3 MiB of growth (VmRSS peak and
+    # VmHWM alike, 2-core VM); the bound is 3x that. Before the HELLO cap, 256 x 16 MiB.
+    assert peak_grew < 20 * 1024, f"the server grew {peak_grew} KiB under {n} hostile HELLOs"
+    with server.client(ALPHA, transport="tcp") as fresh:  # new clients get in again
+        assert fresh.put(b"o" * 16, value)
+        assert np.array_equal(fresh.get(b"o" * 16), value)
