@@ -122,10 +122,10 @@ def test_a_node_cut_from_etcd_leaves_every_mirror_then_comes_back(
         gone = on_every_agent(c, "wait_gone", node="n1", within=TTL + 5.0)
         for name, r in gone.items():
             assert r["seconds"] is not None and r["seconds"] <= TTL + 1.0, (name, gone)
-        r = get(c1, only1 + only2 + both)
-        assert not r["errors"], r
-        assert (r["hits"], r["misses"]) == (16, 8), r  # n1's own blocks: unknown, a miss
-        assert "n1" not in r["served"], r  # clients stopped using it
+        during = get(c1, only1 + only2 + both)
+        assert not during["errors"], during
+        assert (during["hits"], during["misses"]) == (16, 8), during  # n1's own: a miss
+        assert "n1" not in during["served"], during  # clients stopped using it
         fresh = new_keys(4)
         put(c1, fresh, "n1")  # the writer asked for n1 is gone: the write goes to n2
         holders = c1.call("holders", keys=fresh)["holders"]
@@ -134,8 +134,10 @@ def test_a_node_cut_from_etcd_leaves_every_mirror_then_comes_back(
     seconds = wait_listed(c, "n1", only1 + both)  # healed: re-registered, re-published
     r = get(c1, only1 + only2 + both + fresh)
     assert (r["hits"], r["errors"]) == (28, []), r
-    print(f"etcd partition: gone from mirrors in {[g['seconds'] for g in gone.values()]} s; "
-          f"listed again {seconds} s after healing")  # fmt: skip
+    print(f"n1 cut from etcd: reads during it {during['hits']} hits, {during['misses']} "
+          f"misses (n1's own blocks), errors {during['errors']}; gone from mirrors in "
+          f"{max(g['seconds'] for g in gone.values()):.2f} s; listed again {max(seconds):.2f} s "
+          "after healing")  # fmt: skip
 
 
 def test_a_client_cut_from_one_replica_reads_the_other(netns_cluster: NetnsCluster) -> None:
@@ -151,10 +153,15 @@ def test_a_client_cut_from_one_replica_reads_the_other(netns_cluster: NetnsClust
         settled = get(c1, keys)  # n1 is suspect now: straight to n2
         assert (settled["hits"], settled["served"]) == (8, {"n2": 8}), settled
 
-    deadline = time.monotonic() + HEAL_WITHIN_S
+    healed = time.monotonic()
+    deadline = healed + HEAL_WITHIN_S
     while get(c1, keys)["served"].get("n1", 0) == 0:  # healed: n1 answers again
         assert time.monotonic() < deadline, "the client never went back to n1"
         time.sleep(0.2)
+    print(f"client cut from n1: {first['hits'] + settled['hits']} of 16 reads hit, "
+          f"errors {first['errors'] + settled['errors']}, first read {first['seconds']:.2f} s, "
+          f"then {settled['seconds']:.3f} s; back on n1 {time.monotonic() - healed:.1f} s "
+          "after healing")  # fmt: skip
 
 
 def test_a_hung_node_is_failed_over_then_dropped_then_back(netns_cluster: NetnsCluster) -> None:
@@ -174,9 +181,13 @@ def test_a_hung_node_is_failed_over_then_dropped_then_back(netns_cluster: NetnsC
     finally:
         n1.send(signal.SIGCONT)
 
-    wait_listed(c, "n1", keys)
+    back = wait_listed(c, "n1", keys)
     r = get(c1, keys)
     assert (r["hits"], r["errors"]) == (8, []), r
+    print(f"n1 SIGSTOPped: {first['hits'] + after['hits']} of 16 reads hit, errors "
+          f"{first['errors'] + after['errors']}, first read {first['seconds']:.2f} s; out of "
+          f"the mirrors {max(g['seconds'] for g in gone.values()):.2f} s after it; listed "
+          f"again {max(back):.2f} s after SIGCONT")  # fmt: skip
 
 
 def test_a_slow_lossy_link_costs_time_not_bytes(netns_cluster: NetnsCluster) -> None:
