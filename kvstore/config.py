@@ -79,6 +79,9 @@ def _parse_bool(value: str | bool, name: str) -> bool:
     raise ConfigError(f"{name}: expected true/false, got {value!r}")
 
 
+SHARED_MEMORY = ("auto", "all_tenants", "off")  # ServerConfig.shared_memory
+
+
 @dataclass(frozen=True, slots=True)
 class NodeConfig:
     """Everything a StoreNode needs. Build with ``NodeConfig.load(...)`` at the edge.
@@ -93,6 +96,10 @@ class NodeConfig:
         max_value_bytes: the largest single block accepted.
         warm: touch every page of the memory tiers at start.
         shm_name: name of the DRAM segment under /dev/shm (default: derived from the pid).
+        shared_dram: keep the DRAM slab in a /dev/shm segment that same-host clients
+            map (readable by every process of the node's Unix user); False keeps it in
+            this process's private memory. ``kvstore serve`` decides it from its tenants
+            (``ServerConfig.shared_memory``).
         event_queue: bound of the event queue before old events are dropped.
     """
 
@@ -105,6 +112,7 @@ class NodeConfig:
     max_value_bytes: int = 64 * 1024**2
     warm: bool = True
     shm_name: str = ""
+    shared_dram: bool = True
     event_queue: int = 1 << 20
 
     def __post_init__(self) -> None:
@@ -120,6 +128,8 @@ class NodeConfig:
             raise ConfigError("max_value_bytes: must be > 0")
         if self.shm_name and not re.fullmatch(r"[A-Za-z0-9._-]{1,200}", self.shm_name):
             raise ConfigError(f"shm_name {self.shm_name!r}: use [A-Za-z0-9._-]")
+        if self.shm_name and not self.shared_dram:
+            raise ConfigError("shm_name: set, but shared_dram is off for this node")
 
     @classmethod
     def load(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> NodeConfig:
@@ -265,6 +275,13 @@ class ServerConfig(EtcdAccess):
             max_connections that unauthenticated peers can never exceed).
         max_namespaces_per_tenant: distinct namespaces (model, layout) one tenant may
             create on this node; past it, requests naming a new one are refused.
+        shared_memory: who may map the DRAM segment on this host. The segment holds
+            every tenant's blocks and any process of the server's Unix user can open
+            it, so ``auto`` (the default) keeps DRAM in private memory, with no
+            segment at all, as soon as the tokens name two or more tenants; one tenant
+            (or none) gets shared memory. ``all_tenants``: a segment for every tenant
+            (they trust each other: each can read the others' DRAM blocks). ``off``:
+            never. Without a segment, same-host clients use the Unix data socket.
         etcd: ``host:port`` of the cluster directory; empty runs the node standalone.
         cluster: the cluster's name in the directory (1-64 of ``[A-Za-z0-9._-]``).
         node_lease_ttl_s: lifetime of the node's directory lease without a keepalive:
@@ -298,6 +315,7 @@ class ServerConfig(EtcdAccess):
     max_connections: int = 256
     max_handshakes: int = 64
     max_namespaces_per_tenant: int = 1024
+    shared_memory: str = "auto"
     etcd: str = ""
     cluster: str = "default"
     node_lease_ttl_s: float = 10.0
@@ -325,6 +343,10 @@ class ServerConfig(EtcdAccess):
             raise ConfigError("metrics_port: must differ from port and data_port")
         if not self.metrics_host or any(c.isspace() for c in self.metrics_host):
             raise ConfigError(f"metrics_host {self.metrics_host!r}: give an address to bind")
+        if self.shared_memory not in SHARED_MEMORY:
+            raise ConfigError(
+                f"shared_memory {self.shared_memory!r}: choose one of {', '.join(SHARED_MEMORY)}"
+            )
         if not (self.auth_token or self.tokens_file or self.allow_anonymous):
             raise ConfigError(
                 "auth: set auth_token or tokens_file (allow_anonymous=true only for local tests)"

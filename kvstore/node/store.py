@@ -144,7 +144,11 @@ class StoreNode:
                 self._add_tier(MemoryTier(TierKind.HBM, c.hbm_bytes, warm=c.warm))
             if c.dram_bytes:
                 dram = MemoryTier(
-                    TierKind.DRAM, c.dram_bytes, shm_name=c.shm_name or None, warm=c.warm
+                    TierKind.DRAM,
+                    c.dram_bytes,
+                    shm_name=c.shm_name or None,
+                    shared=c.shared_dram,
+                    warm=c.warm,
                 )
                 self._add_tier(dram)
             if c.ssd_path:
@@ -171,7 +175,8 @@ class StoreNode:
 
     @property
     def shm_name(self) -> str | None:
-        """Name of the DRAM segment under /dev/shm, for same-host clients."""
+        """Name of the DRAM segment under /dev/shm, for same-host clients (None: the
+        node shares no memory)."""
         for t in self._tiers:
             if t.shm_name is not None:
                 return t.shm_name

@@ -41,6 +41,9 @@ class TokenTable:
     def __init__(self, entries: Mapping[str, Principal], *, anonymous: Principal | None = None):
         self._by_digest = {_digest(t): p for t, p in entries.items()}
         self._anonymous = anonymous
+        self.tenants = frozenset(
+            [p.tenant for p in entries.values()] + ([anonymous.tenant] if anonymous else [])
+        )  # every tenant a caller can be
 
     @classmethod
     def from_config(cls, config: ServerConfig) -> TokenTable:

@@ -56,9 +56,9 @@ class StoreServer:
     """Serves one node. ``await start()``, then ``await stop()`` (or ``serve()``)."""
 
     def __init__(self, node_config: NodeConfig, config: ServerConfig) -> None:
-        self.node_config = node_config
         self.config = config
         self.tokens = TokenTable.from_config(config)  # refuses a bad tokens file now
+        self.node_config = shared_memory_for(node_config, config, self.tokens.tenants)
         self.quotas = Quotas.from_config(config)  # and bad quotas in it
         self.instance_id = secrets.token_hex(8)
         self.port = 0
@@ -235,6 +235,25 @@ def _tls_context(c: ServerConfig) -> ssl.SSLContext | None:
     return ctx
 
 
+def shared_memory_for(
+    node: NodeConfig, config: ServerConfig, tenants: frozenset[str]
+) -> NodeConfig:
+    """The node config with its DRAM shared only where ``config.shared_memory`` allows:
+    the segment holds every tenant's blocks and opens to any process of this Unix user,
+    so by default (``auto``) a server of two or more tenants keeps DRAM private."""
+    mode = config.shared_memory
+    shared = mode == "all_tenants" or (mode == "auto" and len(tenants) <= 1)
+    if shared or not node.shared_dram:
+        return node
+    if node.shm_name:
+        raise ConfigError(
+            f"shm_name: set, but this server keeps DRAM private (shared_memory={mode!r}, "
+            f"{len(tenants)} tenants); set shared_memory=all_tenants if they trust each other"
+        )
+    log.info("DRAM is private (shared_memory=%s, %d tenants): no segment", mode, len(tenants))
+    return node.replace(shared_dram=False)
+
+
 # -- kvstore serve ------------------------------------------------------------------------
 
 _NODE_FLAGS = {
@@ -265,6 +284,7 @@ _SERVER_FLAGS = {
     "max_connections": "concurrent data sockets (default 256)",
     "max_handshakes": "data sockets not yet authenticated, at once (default 64)",
     "max_namespaces_per_tenant": "namespaces one tenant may create here (default 1024)",
+    "shared_memory": "DRAM segment for same-host clients: auto (one tenant), all_tenants, off",
     "etcd": "HOST:PORT of the cluster directory (default: standalone)",
     "cluster": "cluster name in the directory (default 'default')",
     "node_lease_ttl_s": "directory lease of this node, seconds (default 10)",

@@ -2,8 +2,10 @@
 
 DRAM lives in a named POSIX shared-memory segment (``/dev/shm/<name>``) so a client
 on the same host can map it and copy a block out directly, under a pin granted by
-the node. It is named by its owner's pid and locked while open, so the segments of
-crashed nodes are reclaimed when the next node starts (kvstore/shm/segment.py). When
+the node; or, when the node shares it with nobody (a server of several tenants), in
+anonymous private memory that no other process can open. A segment is named by its
+owner's pid and locked while open, so the segments of crashed nodes are reclaimed when
+the next node starts (kvstore/shm/segment.py). When
 CUDA exists it is also registered as pinned memory so GPU copies from it run at full
 PCIe speed. HBM is one CUDA ``uint8`` tensor. Both are touched
 page by page at start: fresh pages fault on first touch at a fraction of memcpy
@@ -46,6 +48,7 @@ class MemoryTier(Tier):
         capacity: int,
         *,
         shm_name: str | None = None,
+        shared: bool = True,
         device: str = "cuda",
         warm: bool = True,
         align: int = 256,
@@ -59,7 +62,17 @@ class MemoryTier(Tier):
         self._registered = False
         self._mm: mmap.mmap | None = None
         self._hold_fd: int | None = None
-        if kind is TierKind.DRAM:
+        if kind is TierKind.DRAM and not shared:
+            if shm_name:
+                raise ConfigError("shm_name: a private DRAM tier has no segment to name")
+            self.shm_name = None  # no segment: nothing outside this process can map it
+            self._mm = mmap.mmap(-1, self._alloc.capacity)
+            self._host = np.frombuffer(self._mm, dtype=np.uint8)
+            if warm:
+                self._host[::_PAGE] = 0
+            if pin:
+                self._pin_host()
+        elif kind is TierKind.DRAM:
             self.shm_name = shm_name or owned_name(secrets.token_hex(4))
             if shm_name:
                 # A configured name belongs to this node: a segment left under it is the
@@ -173,8 +186,9 @@ class MemoryTier(Tier):
             # a caller may still hold a view; the mapping then goes when the view does
             with contextlib.suppress(BufferError):
                 self._mm.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(SHM_DIR, self.shm_name or ""))
+            if self.shm_name is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(SHM_DIR, self.shm_name))
             if self._hold_fd is not None:
                 os.close(self._hold_fd)
                 self._hold_fd = None

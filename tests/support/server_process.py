@@ -183,10 +183,13 @@ class ServerProcess:
 
 
 def base_flags(workdir: Path) -> dict[str, Any]:
+    """A server of the three test tenants, which trust each other with one shared DRAM
+    segment (tests/service/test_private_dram.py covers the default: private DRAM)."""
     return {
         "port": 0,
         "data_port": 0,
         "tokens_file": write_tokens(workdir / "tokens.toml"),
+        "shared_memory": "all_tenants",
         "dram_bytes": "64MiB",
         "ssd_path": workdir / "ssd",
         "ssd_bytes": "256MiB",

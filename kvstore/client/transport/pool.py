@@ -255,7 +255,8 @@ class ConnPool(Links):
                     raise
                 log.info("server segment does not map here (%s); using TCP", exc)
         elif want == "shm":
-            raise Unavailable("transport=shm but the server is not on this host")
+            where = "offers no shared memory" if self._same_host(info) else "is not on this host"
+            raise Unavailable(f"transport=shm but the server {where}")
         return self._tcp
 
     def _shm(self, info: pb.InfoResponse) -> ShmTransport:
