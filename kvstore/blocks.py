@@ -37,6 +37,8 @@ __all__ = [
     "copy_payload",
     "describe",
     "host_bytes",
+    "layer_range",
+    "layer_span",
     "materialize",
     "verify_payload",
 ]
@@ -277,6 +279,34 @@ class BlockHeader:
     def info(self) -> ValueInfo:
         """The value description this header stores."""
         return ValueInfo(self.dtype, self.shape, self.kind, self.payload_len)
+
+
+def layer_range(layers: Any) -> tuple[int, int] | None:
+    """``layers`` as given to a ranged read, checked: None, or (a, b) with 0 <= a < b."""
+    if layers is None:
+        return None
+    try:
+        a, b = (int(x) for x in layers)
+    except (TypeError, ValueError):
+        raise InvalidValue(f"layers {layers!r}: give (first, end) as two integers") from None
+    if not 0 <= a < b <= 0xFFFFFFFF:
+        raise InvalidValue(f"layers [{a}, {b}): need 0 <= first < end")
+    return a, b
+
+
+def layer_span(header: BlockHeader, layers: tuple[int, int]) -> tuple[int, int]:
+    """Payload bytes [lo, hi) of layers [a, b) of a block: its shape's first dimension
+    is the layer, outermost, so a layer range is one contiguous run of the payload."""
+    a, b = layers
+    if header.kind == KIND_BYTES or not header.shape:
+        raise LayoutMismatch("a layer range needs a tensor block; this one holds raw bytes")
+    n = header.shape[0]
+    if not 0 <= a < b <= n:
+        raise InvalidValue(f"layers [{a}, {b}) out of the block's {n}")
+    if header.payload_len % n:
+        raise LayoutMismatch(f"{header.payload_len} payload bytes do not split into {n} layers")
+    per = header.payload_len // n
+    return a * per, b * per
 
 
 def verify_payload(header: BlockHeader, payload: Any) -> None:

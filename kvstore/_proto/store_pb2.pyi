@@ -142,15 +142,19 @@ class RemoveResponse(_message.Message):
     def __init__(self, removed: _Optional[int] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("scope", "keys")
+    __slots__ = ("scope", "keys", "layer_from", "layer_to")
     SCOPE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FROM_FIELD_NUMBER: _ClassVar[int]
+    LAYER_TO_FIELD_NUMBER: _ClassVar[int]
     scope: Scope
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, scope: _Optional[_Union[Scope, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    layer_from: int
+    layer_to: int
+    def __init__(self, scope: _Optional[_Union[Scope, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., layer_from: _Optional[int] = ..., layer_to: _Optional[int] = ...) -> None: ...
 
 class BlockRef(_message.Message):
-    __slots__ = ("found", "header", "payload", "lease_id", "offset", "error", "tenant", "model")
+    __slots__ = ("found", "header", "payload", "lease_id", "offset", "error", "tenant", "model", "range_checksum")
     FOUND_FIELD_NUMBER: _ClassVar[int]
     HEADER_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +163,7 @@ class BlockRef(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    RANGE_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     found: bool
     header: bytes
     payload: bytes
@@ -167,7 +172,8 @@ class BlockRef(_message.Message):
     error: Status
     tenant: str
     model: str
-    def __init__(self, found: _Optional[bool] = ..., header: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., lease_id: _Optional[int] = ..., offset: _Optional[int] = ..., error: _Optional[_Union[Status, _Mapping]] = ..., tenant: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    range_checksum: int
+    def __init__(self, found: _Optional[bool] = ..., header: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., lease_id: _Optional[int] = ..., offset: _Optional[int] = ..., error: _Optional[_Union[Status, _Mapping]] = ..., tenant: _Optional[str] = ..., model: _Optional[str] = ..., range_checksum: _Optional[int] = ...) -> None: ...
 
 class GetResponse(_message.Message):
     __slots__ = ("blocks", "shm_name", "lease_expires_ns", "server_now_ns", "namespace_fp")

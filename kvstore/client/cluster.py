@@ -47,6 +47,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from kvstore.blocks import layer_range
 from kvstore.client.connector import Connector
 from kvstore.client.members import NODE_FAILURES, Members
 from kvstore.client.store import NodeClient
@@ -196,9 +197,17 @@ class ClusterClient:
         """A new value from the nearest replica that has it, or None."""
         return _one(self.batch_get([key], timeout=timeout))
 
-    def get_into(self, key: bytes, out: Any, *, timeout: float | None = None) -> bool:
-        """Copy a block from the nearest replica into ``out``; False on a miss."""
-        return bool(_one(self.batch_get_into([key], [out], timeout=timeout)))
+    def get_into(
+        self,
+        key: bytes,
+        out: Any,
+        *,
+        timeout: float | None = None,
+        layers: tuple[int, int] | None = None,
+    ) -> bool:
+        """Copy a block (or layers [a, b) of it) from the nearest replica into ``out``;
+        False on a miss."""
+        return bool(_one(self.batch_get_into([key], [out], timeout=timeout, layers=layers)))
 
     def batch_put(
         self, keys: Sequence[bytes], values: Sequence[Any], *, timeout: float | None = None
@@ -244,15 +253,23 @@ class ClusterClient:
         return self._read(scoped, None, call, timeout)
 
     def batch_get_into(
-        self, keys: Sequence[bytes], outs: Sequence[Any], *, timeout: float | None = None
+        self,
+        keys: Sequence[bytes],
+        outs: Sequence[Any],
+        *,
+        timeout: float | None = None,
+        layers: tuple[int, int] | None = None,
     ) -> list[bool | KVStoreError]:
-        """get_into for each pair: True hit, False miss everywhere, or that key's error."""
+        """get_into for each pair: True hit, False miss everywhere, or that key's error
+        (``layers``: a layer range of each block, as NodeClient.batch_get_into)."""
         ks, scoped = self._keys(keys)
         if len(outs) != len(ks):
             raise InvalidValue(f"{len(ks)} keys but {len(outs)} outputs")
+        span = layer_range(layers)
 
         def call(c: NodeClient, idx: list[int], t: float) -> list[Any]:
-            return c.batch_get_into([ks[i] for i in idx], [outs[i] for i in idx], timeout=t)
+            sub_o = [outs[i] for i in idx]
+            return c.batch_get_into([ks[i] for i in idx], sub_o, timeout=t, layers=span)
 
         return self._read(scoped, False, call, timeout)
 

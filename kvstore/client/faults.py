@@ -116,13 +116,14 @@ class FaultyTransport(Transport[Any]):
         outs: Sequence[Any] | None,
         scope: pb.Scope,
         deadline: float,
+        layers: tuple[int, int] | None = None,
     ) -> list[Any]:
         f = self.plan.inject("read", self.where)
         if f is None:
-            return self.inner.read(conn, keys, outs, scope, deadline)
+            return self.inner.read(conn, keys, outs, scope, deadline, layers)
         n = min(f.after_keys or 0, len(keys))
         head = outs[:n] if outs is not None else None
-        done = self.inner.read(conn, keys[:n], head, scope, deadline) if n else []
+        done = self.inner.read(conn, keys[:n], head, scope, deadline, layers) if n else []
         return self._rest(f, done, len(keys))
 
     def write(

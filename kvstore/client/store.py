@@ -40,6 +40,7 @@ from typing import Any, Self, TypeVar
 from google.protobuf.json_format import MessageToDict
 
 from kvstore._proto import store_pb2 as pb
+from kvstore.blocks import layer_range
 from kvstore.client.connector import Connector, SocketConnector
 from kvstore.client.control import Control
 from kvstore.client.faults import FaultyConnector
@@ -223,12 +224,14 @@ class NodeClient:
         *,
         namespace: Namespace | None = None,
         timeout: float | None = None,
+        layers: tuple[int, int] | None = None,
     ) -> bool:
-        """Copy a block into a preallocated tensor/array of the stored dtype and size.
+        """Copy a block into a preallocated tensor/array of the stored dtype and size
+        (``layers=(a, b)``: only layers [a, b) of it, ``out`` sized for them).
 
         False on a miss (``out`` may then hold partial bytes). No intermediate copy.
         """
-        res = self.batch_get_into([key], [out], namespace=namespace, timeout=timeout)
+        res = self.batch_get_into([key], [out], namespace=namespace, timeout=timeout, layers=layers)
         return bool(_one(res))
 
     def batch_put(
@@ -270,13 +273,20 @@ class NodeClient:
         *,
         namespace: Namespace | None = None,
         timeout: float | None = None,
+        layers: tuple[int, int] | None = None,
     ) -> list[bool | KVStoreError]:
-        """get_into for each pair: True hit, False miss, or that key's error."""
+        """get_into for each pair: True hit, False miss, or that key's error.
+        ``layers=(a, b)``: layers [a, b) of each block (the first dimension of its
+        shape), each ``out`` sized for them: for layer-wise loading, where layer 0's
+        compute starts before the last layer has arrived. A range is verified before it
+        is handed over: on the socket against the server's checksum of exactly those
+        bytes, from shared memory as the block it belongs to (``verify_shm``)."""
         ks = self._keys(keys)
         if len(outs) != len(ks):
             raise InvalidValue(f"{len(ks)} keys but {len(outs)} outputs")
         scope = self._scope_for(namespace)
-        return self._data(lambda c, t, d: t.read(c, ks, outs, scope, d), timeout)
+        span = layer_range(layers)
+        return self._data(lambda c, t, d: t.read(c, ks, outs, scope, d, span), timeout)
 
     def _scope_for(self, namespace: Namespace | None) -> Any:
         return self._scope if namespace is None else scope_of(namespace)
@@ -490,8 +500,10 @@ class AsyncNodeClient:
         *,
         namespace: Namespace | None = None,
         timeout: float | None = None,
+        layers: tuple[int, int] | None = None,
     ) -> bool:
-        return await self._run(self.sync.get_into, key, out, **_kw(namespace, timeout))
+        kw = _kw(namespace, timeout)
+        return await self._run(self.sync.get_into, key, out, layers=layers, **kw)
 
     async def batch_put(
         self,
@@ -519,8 +531,10 @@ class AsyncNodeClient:
         *,
         namespace: Namespace | None = None,
         timeout: float | None = None,
+        layers: tuple[int, int] | None = None,
     ) -> list[bool | KVStoreError]:
-        return await self._run(self.sync.batch_get_into, keys, outs, **_kw(namespace, timeout))
+        kw = _kw(namespace, timeout)
+        return await self._run(self.sync.batch_get_into, keys, outs, layers=layers, **kw)
 
     async def exists(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[bool]:
         return await self._run(self.sync.exists, keys, timeout=timeout)

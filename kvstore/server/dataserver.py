@@ -43,9 +43,9 @@ from typing import Any
 from google.protobuf.message import DecodeError, Message
 
 from kvstore._proto import store_pb2 as pb
-from kvstore.blocks import ValueInfo
+from kvstore.blocks import ValueInfo, checksum, layer_span
 from kvstore.config import ServerConfig
-from kvstore.errors import KVStoreError, TimeoutError_, Unavailable
+from kvstore.errors import InvalidValue, KVStoreError, TimeoutError_, Unavailable
 from kvstore.node.store import BlockRead
 from kvstore.server.auth import TokenTable
 from kvstore.server.gateway import Gateway, ReadItem, WriteItem
@@ -374,15 +374,16 @@ class _Session:
 
     def get(self, meta: bytes, body_len: int) -> None:
         req = _parse(pb.GetRequest, meta)
+        layers = _layers(req)
         with self.gw.read(self.principal, req.scope.model, req.scope.layout, req.keys) as batch:
             resp = pb.GetResponse()
-            parts = [self._describe(r, resp.blocks.add()) for r in batch.items]
+            parts = [self._describe(r, resp.blocks.add(), layers) for r in batch.items]
             body = [mv for mv in parts if mv is not None]
             self.fs.send(Op.GET | REPLY, resp.SerializeToString(), body, _total(body))
 
     def lease(self, meta: bytes, body_len: int) -> None:
         req = _parse(pb.GetRequest, meta)
-        scope = req.scope
+        scope, layers = req.scope, _layers(req)
         with self.gw.lease(self.principal, scope.model, scope.layout, req.keys, self.id) as batch:
             resp = pb.GetResponse(shm_name=self.gw.node.shm_name or "")
             resp.server_now_ns = time.monotonic_ns()
@@ -391,27 +392,46 @@ class _Session:
             for i, r in enumerate(batch.items):
                 ref = resp.blocks.add()
                 lease = batch.leases.get(i)
+                if lease is not None and isinstance(r, BlockRead) and layers is not None:
+                    try:
+                        layer_span(r.header, layers)  # the client copies it: check it here
+                    except KVStoreError as exc:
+                        self.gw.release_reads(self.principal, [lease.id])
+                        ref.error.CopyFrom(status_of(exc))
+                        continue
                 if lease is not None and isinstance(r, BlockRead):
                     ref.found, ref.header = True, r.header.pack()
                     ref.lease_id, ref.offset = lease.id, r.shm_offset
                     resp.lease_expires_ns = resp.lease_expires_ns or lease.expires_ns
                     continue
-                mv = self._describe(r, ref)
+                mv = self._describe(r, ref, layers)
                 if mv is not None:
                     body.append(mv)
             self.fs.send(Op.LEASE | REPLY, resp.SerializeToString(), body, _total(body))
 
     @staticmethod
-    def _describe(r: ReadItem, ref: pb.BlockRef) -> memoryview | None:
-        """Fill a BlockRef for a payload sent inline; returns the payload to send."""
+    def _describe(
+        r: ReadItem, ref: pb.BlockRef, layers: tuple[int, int] | None = None
+    ) -> memoryview | None:
+        """Fill a BlockRef for a payload sent inline; returns the payload to send (for
+        ``layers``, their bytes alone, with their checksum in the ref)."""
         ref.offset = -1
         if isinstance(r, KVStoreError):
             ref.error.CopyFrom(status_of(r))
             return None
         if r is None:
             return None
-        ref.found, ref.header = True, r.header.pack()
-        return memoryview(r.host())
+        if layers is None:
+            ref.found, ref.header = True, r.header.pack()
+            return memoryview(r.host())
+        try:
+            lo, hi = layer_span(r.header, layers)
+        except KVStoreError as exc:
+            ref.error.CopyFrom(status_of(exc))
+            return None
+        part = memoryview(r.host())[lo:hi]
+        ref.found, ref.header, ref.range_checksum = True, r.header.pack(), checksum(part)
+        return part
 
     def release(self, meta: bytes, body_len: int) -> None:
         req = _parse(pb.LeaseRequest, meta)
@@ -543,6 +563,15 @@ class _Session:
     def match(self, meta: bytes, body_len: int) -> pb.MatchPrefixResponse:
         req = _parse(pb.KeysRequest, meta)
         return pb.MatchPrefixResponse(matched=self.gw.match_prefix(self.principal, req.keys))
+
+
+def _layers(req: pb.GetRequest) -> tuple[int, int] | None:
+    """The layer range a GET or LEASE asks for (None: whole blocks)."""
+    if not req.layer_to:
+        return None
+    if req.layer_from >= req.layer_to:
+        raise InvalidValue(f"layers [{req.layer_from}, {req.layer_to}): an empty range")
+    return req.layer_from, req.layer_to
 
 
 def _total(body: list[memoryview]) -> int:

@@ -39,7 +39,7 @@ import grpc
 import numpy as np
 
 from kvstore._proto import store_pb2 as pb
-from kvstore.blocks import checksum
+from kvstore.blocks import checksum, layer_span
 from kvstore.client.connector import Connector, Locate
 from kvstore.client.control import Control
 from kvstore.client.transport.base import Link, Links, Transport
@@ -275,6 +275,7 @@ class MemoryTransport(Transport[MemorySession]):
         outs: Sequence[Any] | None,
         scope: pb.Scope,
         deadline: float,
+        layers: tuple[int, int] | None = None,
     ) -> list[Any]:
         gw, get_into = conn.gateway(), outs is not None
         miss = False if get_into else None
@@ -285,13 +286,21 @@ class MemoryTransport(Transport[MemorySession]):
                     results.append(miss if r is None else error_of(status_of(r)))
                     continue
                 header = r.header
+                whole = np.frombuffer(r.host(), np.uint8)
                 try:
-                    landing = out_landing(header, outs[i]) if get_into else fresh_landing(header)
+                    if layers is not None:  # the whole block checked, then a part copied
+                        lo, hi = layer_span(header, layers)
+                        landing = out_landing(header, outs[i], hi - lo)
+                    else:
+                        lo, hi = 0, header.payload_len
+                        landing = (
+                            out_landing(header, outs[i]) if get_into else fresh_landing(header)
+                        )
                 except KVStoreError as exc:
                     results.append(error_of(status_of(exc)))
                     continue
-                np.copyto(landing.view, np.frombuffer(r.host(), np.uint8))
-                if checksum(landing.view) != header.checksum:
+                np.copyto(landing.view, whole[lo:hi])
+                if checksum(whole) != header.checksum:
                     self.counters.inc("corrupt_transfers")
                     results.append(miss)
                     continue

@@ -175,3 +175,25 @@ def test_fault_plans_parse_from_text() -> None:
     assert plan.take("read", "node-a") is None  # one shot
     assert plan.take("control.Info", "x") is None  # skipped once
     assert plan.take("control.Stats", "x") is not None
+
+
+def test_layer_ranges_over_the_in_memory_network(net: MemoryNetwork) -> None:
+    """get_into with ``layers`` lands block[a:b] (the seam's real implementation), and
+    a fault after the first key never hands the rest over."""
+    ks, blocks = keys(3, seed=9), [block(30 + i) for i in range(3)]
+    with client(net) as c:
+        assert c.batch_put(ks, blocks) == [True, True, True]
+        outs = [torch.empty((1, *SHAPE[1:])) for _ in ks]
+        assert c.batch_get_into(ks, outs, layers=(1, 2)) == [True, True, True]
+        assert all(torch.equal(o, b[1:2]) for o, b in zip(outs, blocks, strict=True))
+        wrong = c.batch_get_into(ks[:1], [torch.empty(SHAPE)], layers=(0, 1))
+        assert isinstance(wrong[0], LayoutMismatch)
+        with pytest.raises(InvalidValue):
+            c.get_into(ks[0], outs[0], layers=(2, 1))
+    plan = FaultPlan(Fault("read", after_keys=1, per_key=True, error=TransportError("cut")))
+    with client(net, connector=FaultyConnector(net, plan)) as c:
+        outs = [torch.zeros((1, *SHAPE[1:])) for _ in ks]
+        r = c.batch_get_into(ks, outs, layers=(0, 1))
+        assert r[0] is True and torch.equal(outs[0], blocks[0][0:1])
+        assert all(isinstance(x, TransportError) for x in r[1:]), r
+        assert all(not o.any() for o in outs[1:])  # nothing of theirs was handed over

@@ -61,8 +61,11 @@ class Transport(ABC, Generic[C]):
         outs: Sequence[Any] | None,
         scope: pb.Scope,
         deadline: float,
+        layers: tuple[int, int] | None = None,
     ) -> list[Any]:
-        """Fetch blocks into ``outs`` (get_into) or into fresh values (``outs`` None)."""
+        """Fetch blocks into ``outs`` (get_into) or into fresh values (``outs`` None);
+        ``layers``: only layers [a, b) of each block, into ``outs`` (a ranged read is
+        verified as a whole: a range sent inline against the server's checksum of it)."""
 
     @abstractmethod
     def write(

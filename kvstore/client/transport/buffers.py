@@ -60,13 +60,16 @@ def _is_torch(value: Any) -> bool:
     return type(value).__module__.startswith("torch") and hasattr(value, "untyped_storage")
 
 
-def out_landing(header: BlockHeader, out: Any) -> Landing:
-    """Land a block in the caller's preallocated buffer (``get_into``)."""
+def out_landing(header: BlockHeader, out: Any, nbytes: int | None = None) -> Landing:
+    """Land a block (or ``nbytes`` of it: a layer range) in the caller's preallocated
+    buffer (``get_into``)."""
     info = describe(out)
     if info.kind != KIND_BYTES and info.dtype != header.dtype:
         raise LayoutMismatch(f"output dtype {info.dtype} != stored {header.dtype}")
-    if info.nbytes != header.payload_len:
-        raise LayoutMismatch(f"output holds {info.nbytes} bytes, block has {header.payload_len}")
+    want = header.payload_len if nbytes is None else nbytes
+    if info.nbytes != want:
+        what = "the layer range has" if nbytes is not None else "block has"
+        raise LayoutMismatch(f"output holds {info.nbytes} bytes, {what} {want}")
     if isinstance(out, np.ndarray):  # first: the common case, and never a tensor
         if not out.flags.writeable:
             raise InvalidValue("output array is read-only")

@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from kvstore._proto import store_pb2 as pb
-from kvstore.blocks import HEADER_SIZE, BlockHeader, checksum
+from kvstore.blocks import HEADER_SIZE, BlockHeader, checksum, layer_span
 from kvstore.client.transport.buffers import (
     Outgoing,
     fresh_landing,
@@ -62,7 +62,7 @@ from kvstore.client.transport.buffers import (
 )
 from kvstore.client.transport.conn import DataConn
 from kvstore.client.transport.shm_direct import FALLBACK, DirectReader
-from kvstore.client.transport.tcp import SocketTransport, miss, put_results, receive_inline
+from kvstore.client.transport.tcp import SocketTransport, miss, put_results, ranged, receive_inline
 from kvstore.errors import CapacityError, KVStoreError, StorageError, TimeoutError_, TransportError
 from kvstore.observe.counters import NodeCounters
 from kvstore.shm.segment import map_segment
@@ -135,11 +135,12 @@ class ShmTransport(SocketTransport):
         outs: Sequence[Any] | None,
         scope: pb.Scope,
         deadline: float,
+        layers: tuple[int, int] | None = None,
     ) -> list[Any]:
         d = self.direct
         nsfp = d.namespace(scope.model, scope.layout) if d is not None else None
         if d is None or nsfp is None or not d.alive():
-            return self._leased(conn, keys, outs, scope, deadline)
+            return self._leased(conn, keys, outs, scope, deadline, layers)
         t0 = time.perf_counter()
         get_into = outs is not None
         results: list[Any] = []
@@ -150,7 +151,7 @@ class ShmTransport(SocketTransport):
             if time.monotonic() >= deadline:  # no round trip would notice: check here
                 raise TimeoutError_(f"deadline passed after {i} of {len(keys)} direct reads")
             out = outs[i] if outs is not None else None
-            r, n = d.read(skey, out, get_into, nsfp, self.verify, self.counters)
+            r, n = d.read(skey, out, get_into, nsfp, self.verify, self.counters, layers)
             results.append(r)
             if r is FALLBACK:
                 rest.append(i)
@@ -168,6 +169,7 @@ class ShmTransport(SocketTransport):
                 [outs[i] for i in rest] if outs is not None else None,
                 scope,
                 deadline,
+                layers,
             )
             for i, r in zip(rest, more, strict=True):
                 results[i] = r
@@ -180,10 +182,11 @@ class ShmTransport(SocketTransport):
         outs: Sequence[Any] | None,
         scope: pb.Scope,
         deadline: float,
+        layers: tuple[int, int] | None = None,
     ) -> list[Any]:
         """Read under leases the server grants in one round trip (DRAM hits) or inline
         (everything else); teaches the direct reader the scope's namespace."""
-        req = pb.GetRequest(scope=scope, keys=keys)
+        req = ranged(pb.GetRequest(scope=scope, keys=keys), layers)
         sent_ns = time.monotonic_ns()
         resp, _ = conn.call(Op.LEASE, req, pb.GetResponse, deadline)
         if self.direct is not None:
@@ -202,27 +205,44 @@ class ShmTransport(SocketTransport):
                 out = outs[i] if outs is not None else None
                 if ref.lease_id:
                     expires = resp.lease_expires_ns
-                    results.append(self._copy_out(ref, out, get_into, expires, verify))
+                    results.append(self._copy_out(ref, out, get_into, expires, verify, layers))
                 else:
-                    results.append(receive_inline(conn, ref, out, get_into, self.counters))
+                    results.append(receive_inline(conn, ref, out, get_into, self.counters, layers))
         finally:
             conn.defer_release(leases)  # with the next request, or the pool's flush
         return results
 
     def _copy_out(
-        self, ref: pb.BlockRef, out: Any, get_into: bool, expires_ns: int, verify: bool
+        self,
+        ref: pb.BlockRef,
+        out: Any,
+        get_into: bool,
+        expires_ns: int,
+        verify: bool,
+        layers: tuple[int, int] | None = None,
     ) -> Any:
         header = BlockHeader.unpack(ref.header)
+        extent = self.segment.extent(ref.offset, header.payload_len)
         try:
-            landing = out_landing(header, out) if get_into else fresh_landing(header)
+            if layers is None:
+                landing = out_landing(header, out) if get_into else fresh_landing(header)
+            else:
+                lo, hi = layer_span(header, layers)
+                landing = out_landing(header, out, hi - lo)
+                if verify and checksum(extent) != header.checksum:  # the whole, then a part
+                    landing = None
+                extent = extent[lo:hi]
         except KVStoreError as exc:
             return exc
-        np.copyto(landing.view, self.segment.extent(ref.offset, header.payload_len))
+        if landing is not None:
+            np.copyto(landing.view, extent)
         if time.monotonic_ns() >= expires_ns:
             self.counters.inc("shm_lease_expired")
             log.info("read lease of %s expired during the copy; served as a miss", header.key.hex())
             return miss(get_into)
-        if verify and checksum(landing.view) != header.checksum:
+        if landing is None or (
+            verify and layers is None and checksum(landing.view) != header.checksum
+        ):
             self.counters.inc("corrupt_transfers")
             log.warning(
                 "block %s copied from shared memory failed its checksum; a miss", header.key.hex()

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.blocks import HEADER_SIZE, BlockHeader, checksum
+from kvstore.blocks import HEADER_SIZE, BlockHeader, checksum, layer_span
 from kvstore.client.transport.buffers import fresh_landing, out_landing
 from kvstore.errors import CorruptBlock, KVStoreError
 from kvstore.observe.counters import NodeCounters
@@ -86,9 +86,10 @@ class DirectReader:
         nsfp: bytes,
         verify: bool,
         counters: NodeCounters,
+        layers: tuple[int, int] | None = None,
     ) -> tuple[Any, int]:
-        """One block by its scoped key: (the per-key result, payload bytes copied), or
-        (FALLBACK, 0)."""
+        """One block (or layers [a, b) of it) by its scoped key: (the per-key result,
+        payload bytes copied), or (FALLBACK, 0)."""
         idx = self.index
         found = idx.find(skey)
         if found is None:
@@ -105,18 +106,27 @@ class DirectReader:
         n = header.payload_len
         if header.key != skey or (nsfp and header.namespace_fp != nsfp) or start + n > self.size:
             return FALLBACK, 0
+        lo, hi = 0, n
         try:
-            landing = out_landing(header, out) if get_into else fresh_landing(header)
+            if layers is not None:
+                lo, hi = layer_span(header, layers)
+                landing = out_landing(header, out, hi - lo)
+            else:
+                landing = out_landing(header, out) if get_into else fresh_landing(header)
         except KVStoreError as exc:
             return (exc, 0) if idx.unchanged(slot, seq) else (FALLBACK, 0)
-        np.copyto(landing.view, self.view[start : start + n])
+        whole = self.view[start : start + n]
+        np.copyto(landing.view, whole[lo:hi])
+        # a range is checked as the block it came from (before the slot check: the
+        # block must not change between the two)
+        bad = verify and checksum(landing.view if layers is None else whole) != header.checksum
         if not idx.unchanged(slot, seq):
             counters.inc("shm_direct_raced")
             return FALLBACK, 0
-        if verify and checksum(landing.view) != header.checksum:
+        if bad:
             counters.inc("corrupt_transfers")
             return FALLBACK, 0
-        return landing.finish(), n
+        return landing.finish(), hi - lo
 
     def close(self) -> None:
         """Drop the index mapping (the segment belongs to its Segment)."""

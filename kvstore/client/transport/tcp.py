@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstore._proto import store_pb2 as pb
-from kvstore.blocks import BlockHeader, checksum_stream
+from kvstore.blocks import BlockHeader, checksum_stream, layer_span
 from kvstore.client.transport.base import Transport
 from kvstore.client.transport.buffers import fresh_landing, out_landing, prepare_writes
 from kvstore.client.transport.conn import DataConn
@@ -26,7 +26,7 @@ from kvstore.observe.counters import NodeCounters
 from kvstore.wire.codec import error_of, meta_of
 from kvstore.wire.frames import Op
 
-__all__ = ["SocketTransport", "TcpTransport", "miss", "put_results", "receive_inline"]
+__all__ = ["SocketTransport", "TcpTransport", "miss", "put_results", "ranged", "receive_inline"]
 
 log = logging.getLogger(__name__)
 
@@ -37,30 +37,51 @@ def miss(get_into: bool) -> Any:
 
 
 def receive_inline(
-    conn: DataConn, ref: pb.BlockRef, out: Any, get_into: bool, counters: NodeCounters
+    conn: DataConn,
+    ref: pb.BlockRef,
+    out: Any,
+    get_into: bool,
+    counters: NodeCounters,
+    layers: tuple[int, int] | None = None,
 ) -> Any:
-    """Receive one block's payload from the socket; returns its per-key result."""
+    """Receive one block's payload (or the layer range asked for) from the socket;
+    returns its per-key result."""
     if not ref.found:
         return error_of(ref.error) or miss(get_into)
     try:
         header = BlockHeader.unpack(ref.header)
+        lo, hi = (0, header.payload_len) if layers is None else layer_span(header, layers)
     except CorruptBlock as exc:  # its length is unknown: the stream cannot be resynced
         conn.fs.broken = True
         raise TransportError(f"data socket: corrupt block header in reply: {exc}") from exc
+    except KVStoreError as exc:  # the server sent it, so it found the range good
+        conn.fs.broken = True
+        raise TransportError(f"data socket: a range the server sent is not one: {exc}") from exc
+    expect = header.checksum if layers is None else ref.range_checksum
     try:
-        landing = out_landing(header, out) if get_into else fresh_landing(header)
+        if layers is not None:
+            landing = out_landing(header, out, hi - lo)
+        else:
+            landing = out_landing(header, out) if get_into else fresh_landing(header)
     except KVStoreError as exc:
-        conn.discard(header.payload_len)
+        conn.discard(hi - lo)
         return exc
     digest = checksum_stream()  # hashed while waiting for the rest to arrive
     conn.recv_into(landing.view, spin=True, digest=digest)  # the server is sending it now
-    if digest.intdigest() != header.checksum:
+    if digest.intdigest() != expect:
         counters.inc("corrupt_transfers")
         log.warning(
             "block %s failed its checksum after transfer; served as a miss", header.key.hex()
         )
         return miss(get_into)
     return landing.finish()
+
+
+def ranged(req: pb.GetRequest, layers: tuple[int, int] | None) -> pb.GetRequest:
+    """``req`` asking for layers [a, b) of each block (whole blocks for None)."""
+    if layers is not None:
+        req.layer_from, req.layer_to = layers
+    return req
 
 
 def put_results(resp: pb.PutResponse, sent: Sequence[Any], results: list[Any]) -> list[Any]:
@@ -96,15 +117,17 @@ class TcpTransport(SocketTransport):
         outs: Sequence[Any] | None,
         scope: pb.Scope,
         deadline: float,
+        layers: tuple[int, int] | None = None,
     ) -> list[Any]:
-        resp, _ = conn.call(Op.GET, pb.GetRequest(scope=scope, keys=keys), pb.GetResponse, deadline)
+        req = ranged(pb.GetRequest(scope=scope, keys=keys), layers)
+        resp, _ = conn.call(Op.GET, req, pb.GetResponse, deadline)
         if len(resp.blocks) != len(keys):
             conn.fs.broken = True
             raise TransportError(f"{len(resp.blocks)} blocks for {len(keys)} keys")
         get_into = outs is not None
         return [
             receive_inline(
-                conn, ref, outs[i] if outs is not None else None, get_into, self.counters
+                conn, ref, outs[i] if outs is not None else None, get_into, self.counters, layers
             )
             for i, ref in enumerate(resp.blocks)
         ]
