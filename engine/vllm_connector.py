@@ -26,13 +26,16 @@ vLLM to compute; ``update_state_after_alloc`` turns a hit into a load of those b
 into the pages vLLM allocated; ``build_connector_meta`` hands the step's loads and the
 full prompt blocks finished in this step (saves) to the worker.
 
-Worker side: ``start_load_kv`` copies hits into vLLM's paged KV before the forward
-(loads are synchronous: a block holds all layers, so layer 0 needs the whole block);
-``wait_for_save`` writes the step's new full blocks after the forward, skipping those
-the store already holds (saves are synchronous too, so vLLM may free a finished
-request's pages at once). A block that fails to load (miss, corrupt, store down) is
-reported through ``get_block_ids_with_load_errors``; vLLM then recomputes from it, so
-the failure costs time, never a request or a wrong token. That needs vLLM's
+Worker side: ``start_load_kv`` starts the step's loads (every request's hits in one
+batch per layer, engine/vllm_loads.py): layer by layer in the background with
+``layerwise`` (the default), each attention layer's ``wait_for_layer_load`` waiting for
+its own layer only, so the forward starts once layer 0 has landed; whole blocks before
+the forward without it. ``wait_for_save`` writes the step's new full blocks after the
+forward, skipping those the store already holds (saves are synchronous, so vLLM may free
+a finished request's pages at once; layer-by-layer saves are not there yet). A block
+that fails to load (miss, corrupt, store down) is reported through
+``get_block_ids_with_load_errors``; vLLM then recomputes from it, so the failure costs
+time, never a request or a wrong token. That needs vLLM's
 ``kv_load_failure_policy="recompute"``, which this connector sets (with a warning) when
 it finds vLLM's default ``"fail"``. Corrupt blocks are removed from the store, and the
 scheduler plans their save again after vLLM recomputes them.
@@ -47,6 +50,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +60,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from engine.vllm_loads import LoadItem, StepLoad
 from engine.vllm_paged import PagedKV, PageLayout, probe_page_layout
 from engine.vllm_store import (
     BlockStore,
@@ -220,6 +225,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._pending_loads: list[BlockTransfer] = []
         # worker side
         self._paged: PagedKV | None = None
+        self._layer_of: dict[str, int] = {}  # attention layer name -> layer index
+        self._step: StepLoad | None = None  # this step's loads, until settled
+        self._loader: ThreadPoolExecutor | None = None  # the layer-wise load thread
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()
         logger.info(
@@ -337,37 +345,50 @@ class KVStoreConnector(KVConnectorBase_V1):
         page = page_layout_for(self._vllm_config, self._kv_cache_config)
         self._paged = PagedKV([kv_caches[n] for n in names], self.namespace.kv_layout, page)
         self._paged.reserve(self.config.max_blocks_per_call)
+        self._layer_of = {n: i for i, n in enumerate(names)}
+        if self.config.layerwise and self.load_enabled:
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load")
         logger.info("KVStoreConnector: pages in the %s order, stored canonical (%s path)",
                     page.name, "structured" if page.structured else "indexed")  # fmt: skip
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Copy this step's hits into their pages before the forward runs."""
+        """Start this step's loads: layer by layer beside the forward, or (without
+        ``layerwise``) whole blocks, done when this returns."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
-        for t in meta.loads:
-            self._load(t)
-
-    def _load(self, t: BlockTransfer) -> None:
+        self._settle()  # an earlier step's, if the engine never asked (profiling runs)
+        if not meta.loads:
+            return
         paged = self._paged
         assert paged is not None, "register_kv_caches was not called"
-        for part in _chunks(len(t.keys), self.config.max_blocks_per_call):
-            keys, ids = t.keys[part], t.block_ids[part]
-            buf = paged.staging(len(keys))
-            got = self.store.get_into(keys, [buf[i] for i in range(len(keys))])
-            good = got.index(False) if False in got else len(got)
-            paged.scatter(buf[:good], ids[:good])
+        items = [LoadItem(t.req_id, t.keys, t.block_ids) for t in meta.loads]
+        chunk = self.config.max_blocks_per_call
+        self._step = StepLoad(items, self.store, paged, chunk, self._loader)
+        if self._loader is not None:
+            self.stats.layerwise_loads += 1
+
+    def _settle(self) -> None:
+        """Wait for the step's loads to end and record what failed: vLLM recomputes a
+        request from its first block that did not load."""
+        step, self._step = self._step, None
+        if step is None:
+            return
+        for item, good in step.outcome():
             self.stats.loaded_blocks += good
-            if good < len(keys):
-                failed = t.block_ids[part.start + good :]
+            if good < len(item.keys):
+                failed = item.block_ids[good:]
                 self._load_errors.update(failed)
-                self._failed_reqs.add(t.req_id)
+                self._failed_reqs.add(item.req_id)
                 self.stats.failed_blocks += len(failed)
-                if self.store.available:  # the store answered: these keys are bad or gone
-                    self.store.remove([k for k, ok in zip(keys, got, strict=True) if not ok])
-                return
+        bad = step.failed_keys()
+        if bad and self.store.available:  # the store answered: these keys are bad or gone
+            self.store.remove(bad)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads finish in start_load_kv (a stored block holds every layer)."""
+        """Return once this layer of every block the step loads is in its pages."""
+        step = self._step
+        if step is not None:
+            step.wait(self._layer_of[layer_name])
 
     def save_kv_layer(
         self,
@@ -383,6 +404,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         store held at lookup; the store skips the copy of any other it already has)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
+        self._settle()
         # A request whose load failed this step attended to pages that were never
         # filled, so none of its new KV may be saved.
         saves = [t for t in meta.saves if t.req_id not in self._failed_reqs]
@@ -403,11 +425,15 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Pages promised by the scheduler that were not filled; vLLM recomputes them."""
+        self._settle()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def shutdown(self) -> None:
         """Close the store client; log what this side did."""
+        self._settle()
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
         logger.info("KVStoreConnector (%s) stats: %s", self.role.name.lower(),
                     self.stats.as_dict())  # fmt: skip
         self.store.close()

@@ -207,6 +207,7 @@ class PagedKV:
             ]
         self._index = page.index.to(self.device)
         self._staging = torch.empty((0, *self.block_shape), dtype=self.dtype)
+        self._layer_staging = torch.empty((0, 1, *self.block_shape[1:]), dtype=self.dtype)
         self._scratch = torch.empty((len(layers), 0, H, 2, B * D), dtype=self.dtype)
 
     def reserve(self, n: int) -> None:
@@ -222,6 +223,14 @@ class PagedKV:
             L, _, H, two, BD = self._scratch.shape
             self._scratch = torch.zeros((L, n, H, two, BD), dtype=self.dtype)
         return self._staging[:n]
+
+    def layer_staging(self, n: int) -> torch.Tensor:
+        """A host buffer of one layer of ``n`` blocks ``[n, 1, 2, H, B, D]``, reused:
+        the layer-wise loader's own (it runs beside the forward, never beside a
+        gather)."""
+        if self._layer_staging.shape[0] < n:
+            self._layer_staging = torch.zeros((n, 1, *self.block_shape[1:]), dtype=self.dtype)
+        return self._layer_staging[:n]
 
     def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
         idx = torch.as_tensor(list(block_ids), dtype=torch.long)
@@ -256,10 +265,21 @@ class PagedKV:
         out.permute(1, 0, 3, 2, 4, 5).copy_(flat.view(L, n, H, 2, B, D))
         return out
 
-    def scatter(self, blocks: torch.Tensor, block_ids: Sequence[int]) -> None:
-        """Write canonical ``blocks`` (``[n, L, 2, H, B, D]``) into the pages ``block_ids``."""
-        if blocks.shape[0] != len(block_ids) or tuple(blocks.shape[1:]) != self.block_shape:
-            raise ValueError(f"blocks {tuple(blocks.shape)} for {len(block_ids)} block ids")
+    def scatter(
+        self, blocks: torch.Tensor, block_ids: Sequence[int], *, first_layer: int = 0
+    ) -> None:
+        """Write canonical ``blocks`` (``[n, L, 2, H, B, D]``) into the pages ``block_ids``;
+        with ``first_layer``, ``blocks`` holds layers [first_layer, first_layer + k)."""
+        k = blocks.shape[1] if blocks.dim() == 6 else -1
+        if (
+            blocks.shape[0] != len(block_ids)
+            or tuple(blocks.shape[2:]) != self.block_shape[1:]
+            or not 0 <= first_layer < first_layer + k <= self.block_shape[0]
+        ):
+            raise ValueError(
+                f"blocks {tuple(blocks.shape)} from layer {first_layer} for "
+                f"{len(block_ids)} block ids"
+            )
         if not block_ids:
             return
         idx = self._ids(block_ids)
@@ -271,10 +291,11 @@ class PagedKV:
                 for li in range(L):
                     tile = src[:, li, kv].reshape(n, H, *order.split)
                     stored = tile.permute(0, 1, *(2 + i for i in order.inverse))
-                    self._tiles[kv][li].index_copy_(0, idx, stored)
+                    self._tiles[kv][first_layer + li].index_copy_(0, idx, stored)
             return
         canon = src.permute(1, 0, 3, 2, 4, 5).reshape(L, n, H, 2 * B * D)
-        for li, pages in enumerate(self._pages):
+        for li in range(L):
+            pages = self._pages[first_layer + li]
             page = pages.index_select(0, idx).view(n, H, 2 * B * D)
             page.index_copy_(2, self._index, canon[li])
             pages.index_copy_(0, idx, page.view(n, H, 2, B * D))

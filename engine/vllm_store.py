@@ -48,7 +48,13 @@ class BlockStore(Protocol):
 
     def batch_put(self, keys: Sequence[bytes], values: Sequence[Any]) -> list[Any]: ...
 
-    def batch_get_into(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[Any]: ...
+    def batch_get_into(
+        self,
+        keys: Sequence[bytes],
+        outs: Sequence[Any],
+        *,
+        layers: tuple[int, int] | None = None,
+    ) -> list[Any]: ...
 
     def match_prefix(self, keys: Sequence[bytes]) -> int: ...
 
@@ -71,6 +77,9 @@ class ConnectorConfig:
         retries: client retries of a retryable failure within ``timeout_s``.
         retry_after_s: after a failure, calls are skipped (served as misses) this long.
         max_blocks_per_call: blocks per batch call (and per staging buffer).
+        layerwise: load a step's hits layer by layer in the background, each attention
+            layer waiting for its own layer only, so the forward starts once layer 0 has
+            landed; False loads whole blocks before the forward (the comparison point).
         transport: ``auto``, ``shm`` or ``tcp`` (see kvstore.config.ClientConfig).
         verify: xxh3-check every block copied out of the server's shared memory, as
             over TCP. On by default (~13 us per 720 KiB block): loaded KV goes straight
@@ -85,6 +94,7 @@ class ConnectorConfig:
     retries: int = 1
     retry_after_s: float = 5.0
     max_blocks_per_call: int = 64
+    layerwise: bool = True
     transport: str = "auto"
     verify: bool = True
 
@@ -129,6 +139,7 @@ class ConnectorStats:
     lookups: int = 0  # get_num_new_matched_tokens calls that reached the store
     hit_tokens: int = 0  # tokens promised to vLLM from the store
     loaded_blocks: int = 0
+    layerwise_loads: int = 0  # steps whose loads ran layer by layer beside the forward
     failed_blocks: int = 0  # promised but not loaded (miss, corrupt, store down)
     saved_blocks: int = 0
     present_blocks: int = 0  # blocks put that the store already held
@@ -150,8 +161,26 @@ class NodeStore:
     def batch_put(self, keys: Sequence[bytes], values: Sequence[Any]) -> list[Any]:
         return list(self.node.batch_put(keys, values, namespace=self.namespace))
 
-    def batch_get_into(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[Any]:
-        return list(self.node.batch_get_into(keys, outs, namespace=self.namespace))
+    def batch_get_into(
+        self,
+        keys: Sequence[bytes],
+        outs: Sequence[Any],
+        *,
+        layers: tuple[int, int] | None = None,
+    ) -> list[Any]:
+        if layers is None:
+            return list(self.node.batch_get_into(keys, outs, namespace=self.namespace))
+        # in process there is no transfer to pipeline: read whole blocks, hand the range
+        if not outs:
+            return []
+        shape = self.namespace.kv_layout.block_shape()
+        wholes = [outs[0].new_empty(shape) for _ in keys]
+        got = list(self.node.batch_get_into(keys, wholes, namespace=self.namespace))
+        a, b = layers
+        for r, whole, out in zip(got, wholes, outs, strict=True):
+            if r is True:
+                out.copy_(whole[a:b])
+        return got
 
     def match_prefix(self, keys: Sequence[bytes]) -> int:
         return self.node.match_prefix(keys)
@@ -305,9 +334,16 @@ class ResilientStore:
             return 0
         return self._call("match_prefix", match, 0)
 
-    def get_into(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:
-        """True for each key copied into its ``out``; a failed call is all misses."""
-        res = self._call("get", lambda s: s.batch_get_into(keys, outs), None)
+    def get_into(
+        self,
+        keys: Sequence[bytes],
+        outs: Sequence[Any],
+        *,
+        layers: tuple[int, int] | None = None,
+    ) -> list[bool]:
+        """True for each key copied into its ``out`` (``layers``: that layer range of
+        it); a failed call is all misses."""
+        res = self._call("get", lambda s: s.batch_get_into(keys, outs, layers=layers), None)
         if res is None:
             return [False] * len(keys)
         return [r is True for r in res]

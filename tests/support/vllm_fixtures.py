@@ -277,13 +277,13 @@ class _LoadFaults:
         self._store = store
         self._owner = owner
 
-    def batch_get_into(self, keys: Any, outs: Any) -> list[Any]:
+    def batch_get_into(self, keys: Any, outs: Any, *, layers: Any = None) -> list[Any]:
         if self._owner.failing_loads > 0:
             self._owner.failing_loads -= 1
             from kvstore.errors import Unavailable
 
             raise Unavailable("injected: the store went away")
-        return list(self._store.batch_get_into(keys, outs))
+        return list(self._store.batch_get_into(keys, outs, layers=layers))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)

@@ -1,9 +1,10 @@
 """The vLLM connector with real vLLM engines and a real ``kvstore serve`` process.
 
 Runs inside .venv-vllm (``make test-vllm``); skipped where vLLM is not installed. Every
-engine is a separate process (tests/vllm_fixtures.py): a reference engine without a
-connector, a producer (kv_producer) and a consumer (kv_consumer) in fp32, and in bf16 a
-reference plus one kv_both engine. Each test uses its own random prompts, so vLLM's
+engine is a separate process (tests/support/vllm_fixtures.py): a reference engine
+without a connector, a producer (kv_producer) and two consumers (kv_consumer: one loading
+layer by layer beside the forward, the default, one loading whole blocks before it) in
+fp32, and in bf16 a reference, a kv_both engine and a consumer on another CPU kernel. Each test uses its own random prompts, so vLLM's
 local prefix cache and earlier tests' blocks never explain a hit.
 
 Output equality is exact (greedy token ids); hits are read from vLLM's own
@@ -62,7 +63,7 @@ def store(root: Path) -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="module")
 def engines(root: Path, store: ServerProcess) -> Iterator[dict[str, EngineProcess]]:
-    """Five engines, importing vLLM together. The first to build fills vLLM's model-info
+    """Seven engines, importing vLLM together. The first to build fills vLLM's model-info
     cache (a ~10 s subprocess when cold), so the other four build after it."""
     model = str(write_tiny_llama(root / "model"))
     extra = {
@@ -86,6 +87,9 @@ def engines(root: Path, store: ServerProcess) -> Iterator[dict[str, EngineProces
             connector="FaultyKVStoreConnector",
             module_path="tests.support.vllm_fixtures",
         ),
+        # Whole-block loads before the forward: the switch layer-wise loading is
+        # compared against (every other consumer loads layer by layer).
+        "whole32": EngineSpec(model, role="kv_consumer", extra={**extra, "layerwise": False}),
         "ref16": EngineSpec(model, dtype="bfloat16"),
         "both16": EngineSpec(model, dtype="bfloat16", role="kv_both", extra=extra),
         # Decode on other hardware: a consumer forced onto a kernel both16 does not run
@@ -182,6 +186,27 @@ def test_consumer_loads_what_producer_stored(engines: dict[str, EngineProcess]) 
     assert out["cached"] == usable_blocks(300) * BLOCK == 288
     assert worker(engines["cons32"])["loaded_blocks"] - before["loaded_blocks"] == 9
     assert ref["cached"] == 0
+
+
+def test_layer_by_layer_and_whole_block_loads_give_the_same_tokens(
+    engines: dict[str, EngineProcess],
+) -> None:
+    """The default consumer loads each layer beside the forward (its attention layers
+    wait for their own layer only); the switch loads whole blocks before it. Same hits,
+    same tokens as a plain engine."""
+    p = prompt(13, 260)
+    ref = engines["ref32"].generate([p], 12)[0]
+    engines["prod32"].generate([p], 1)
+    lw, whole = engines["cons32"], engines["whole32"]
+    before = worker(lw), worker(whole)
+    outs = lw.generate([p], 12)[0], whole.generate([p], 12)[0]
+    assert [o["tokens"] for o in outs] == [ref["tokens"]] * 2
+    assert [o["cached"] for o in outs] == [usable_blocks(260) * BLOCK] * 2
+    after = worker(lw), worker(whole)
+    assert after[0]["layerwise_loads"] > before[0]["layerwise_loads"]
+    assert after[1]["layerwise_loads"] == 0
+    for a, b in zip(after, before, strict=True):
+        assert a["loaded_blocks"] - b["loaded_blocks"] == usable_blocks(260)
 
 
 def test_unstored_prompt_is_a_plain_miss(engines: dict[str, EngineProcess]) -> None:

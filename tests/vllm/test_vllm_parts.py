@@ -291,6 +291,10 @@ def check_round_trip(write: Any, layout: KVLayout, dtype: torch.dtype) -> PageLa
     empty = [torch.zeros_like(t) for t in layers]
     PagedKV(empty, layout, page).scatter(blocks, page_ids)
     assert all(torch.equal(a, b) for a, b in zip(empty, layers, strict=True))
+    by_layer = [torch.zeros_like(t) for t in layers]  # the layer-wise loader's writes
+    for li in reversed(range(layout.layers)):
+        PagedKV(by_layer, layout, page).scatter(blocks[:, li : li + 1], page_ids, first_layer=li)
+    assert all(torch.equal(a, b) for a, b in zip(by_layer, layers, strict=True))
     return page
 
 
@@ -407,3 +411,41 @@ def test_blocks_saved_through_one_kernel_load_through_another(dtype: str) -> Non
             dst_page = probe_page_layout(vllm_writer(dst), torch_dtype, layout)
             PagedKV(got, layout, dst_page).scatter(stored, [4, 1, 2])
             assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), (src, dst)
+
+
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_a_steps_loads_land_layer_by_layer_or_whole_and_fail_per_request(
+    layerwise: bool,
+) -> None:
+    """engine/vllm_loads.py over an in-process store and real page tensors: every
+    request's hits in one batch per layer, each layer awaitable on its own; a request
+    whose second block misses loads its first only, and that key is offered for removal."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from engine.vllm_loads import LoadItem, StepLoad
+
+    ns = Namespace("tiny-steps", "float32:L2:H2:D32:B32:R0")
+    layout = KVLayout.parse(ns.layout)
+    page = probe_page_layout(reference_writer("vec"), torch.float32, layout)
+    blocks = torch.randn(4, *layout.block_shape())
+    keys = list(prefix_keys(range(4 * 32), 32, ns))
+    want = kernel_pages(reference_writer("vec"), blocks[:3], 8, [5, 6, 0])
+    with StoreNode(dram_bytes="4MiB") as node:
+        rs = resilient(NodeStore(node, ns), Clock())
+        assert rs.put(keys[:3], list(blocks[:3])) == (3, 0)  # keys[3] is never stored
+        pages = [torch.zeros_like(t) for t in want]
+        paged = PagedKV(pages, layout, page)
+        items = [LoadItem("a", keys[:2], [5, 6]), LoadItem("b", keys[2:], [0, 3])]
+        pool = ThreadPoolExecutor(1) if layerwise else None
+        try:
+            step = StepLoad(items, rs, paged, chunk=2, executor=pool)
+            for li in range(layout.layers):
+                step.wait(li)
+                for pid in (5, 6, 0):  # this layer of every loaded block is in place
+                    assert torch.equal(pages[li][pid], want[li][pid])
+            assert [(it.req_id, good) for it, good in step.outcome()] == [("a", 2), ("b", 1)]
+            assert step.failed_keys() == [keys[3]]
+            assert not pages[0][3].any() and not pages[1][3].any()
+        finally:
+            if pool is not None:
+                pool.shutdown()
