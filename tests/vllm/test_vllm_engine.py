@@ -4,8 +4,9 @@ Runs inside .venv-vllm (``make test-vllm``); skipped where vLLM is not installed
 engine is a separate process (tests/support/vllm_fixtures.py): a reference engine
 without a connector, a producer (kv_producer) and two consumers (kv_consumer: one loading
 layer by layer beside the forward, the default, one loading whole blocks before it) in
-fp32, and in bf16 a reference, a kv_both engine and a consumer on another CPU kernel. Each test uses its own random prompts, so vLLM's
-local prefix cache and earlier tests' blocks never explain a hit.
+fp32, and in bf16 a reference, a kv_both engine and a consumer on another CPU kernel.
+Each test uses its own random prompts, so vLLM's local prefix cache and earlier tests'
+blocks never explain a hit.
 
 Output equality is exact (greedy token ids); hits are read from vLLM's own
 ``num_cached_tokens`` and from the connector's counters.
