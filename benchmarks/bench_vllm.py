@@ -1,23 +1,27 @@
-"""vLLM with the kvstore connector: TTFT of a long prompt, and load time per block.
+"""vLLM with the kvstore connector: TTFT with layer-wise loads, whole-block loads and
+recompute, the transfer hidden behind compute, and load time per block.
 
 Questions answered, each with its anchor measured in the same run:
-- TTFT of a long prompt served from a store hit vs recomputed by the same vLLM build
-  with no connector (anchor). Also shown: TTFT of the first, missing request through
-  the connector (compute + save), i.e. what a producer pays.
-- Load time per block (a 32-token block of every layer, copied into vLLM's paged KV)
-  through kvstore (``kvstore serve``, same host: shared memory) vs vLLM's own example
-  connector (``ExampleConnector``: safetensors files per layer on local disk), timed
-  inside each engine around ``start_load_kv``. Save time per block likewise.
+- TTFT of a long prompt whose head (75% by default) is in the store, served by a
+  consumer loading layer by layer beside the forward (the connector's default), by one
+  loading whole blocks before it (``layerwise: false``), and recomputed by the same vLLM
+  build with no connector (anchor). Also: what the saver pays for the head's miss.
+- The share of the transfer hidden behind compute: (whole-block TTFT - layer-wise
+  TTFT) / the whole-block load time of the head, timed inside the engine around
+  ``start_load_kv`` (target: at least half).
+- Load and save time per block through kvstore vs vLLM's own example connector
+  (``ExampleConnector``: safetensors files per layer on local disk), timed inside each
+  engine (whole-block mode, where a load ends in ``start_load_kv``).
 
-The model is SmolLM2-135M's geometry (30 layers, 3 KV heads, head dim 64) with random
-weights, bf16, so prefill time is realistic for its size without downloading anything.
-Each of ``--runs`` rounds takes a fresh prompt: the anchor computes it, each connector
-computes and saves it (a miss), then ``--hits`` times each connector drops vLLM's local
-prefix cache and serves it again from its store, the two interleaved so that both see
-the same load on this shared machine. Reported: medians (TTFT per request, load and
-save time per block per call). Runs in .venv-vllm (``make bench-vllm``):
+The model is a random-weight bf16 Llama written to disk: by default 16 layers, 8 KV
+heads of 128 (2 MiB per 32-token block), ``--geometry smol`` for SmolLM2-135M's. The
+store is a ``kvstore serve`` on loopback reached over TCP (``--transport``). Each of
+``--runs`` rounds takes a fresh prompt: the anchor computes it, the savers compute its
+head (a miss, saved), then ``--hits`` times each loader drops vLLM's local prefix cache
+and serves the prompt from its store, all interleaved so that they see the same load on
+this shared machine. Reported: medians. Runs in .venv-vllm (``make bench-vllm``):
 
-    .venv-vllm/bin/python benchmarks/bench_vllm.py [--runs 3] [--hits 3] [--tokens 2048]
+    .venv-vllm/bin/python benchmarks/bench_vllm.py [--runs 3] [--hits 3] [--tokens 3072]
 """
 
 from __future__ import annotations
@@ -89,11 +93,11 @@ class TimedKVStoreConnector(KVStoreConnector):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
-        before = self.stats.loaded_blocks
         t0 = time.perf_counter()
-        super().start_load_kv(forward_context, **kwargs)
-        if meta.loads:
-            self.timings.loads.append((time.perf_counter() - t0, self.stats.loaded_blocks - before))
+        super().start_load_kv(forward_context, **kwargs)  # whole blocks: done on return
+        if meta.loads:  # blocks asked for (counted as loaded after the step, when settled)
+            n = sum(len(t.keys) for t in meta.loads)
+            self.timings.loads.append((time.perf_counter() - t0, n))
 
     def wait_for_save(self) -> None:
         before = self.stats.saved_blocks
@@ -136,16 +140,36 @@ class TimedExampleConnector(ExampleConnector):
         self._save_s = 0.0
 
 
-def _engines(root: Path, store_address: str, token: str) -> dict[str, Any]:
-    from tests.support.vllm_fixtures import SMOL, EngineProcess, EngineSpec, write_tiny_llama
+GEOMETRIES = ("wide", "smol")
 
-    model = str(write_tiny_llama(root / "smol", save_dtype="bfloat16", **SMOL))
+
+def _engines(
+    root: Path, store_address: str, token: str, geometry: str, transport: str
+) -> dict[str, Any]:
+    from tests.support.vllm_fixtures import SMOL, WIDE, EngineProcess, EngineSpec, write_tiny_llama
+
+    g = {"wide": WIDE, "smol": SMOL}[geometry]
+    model = str(write_tiny_llama(root / geometry, save_dtype="bfloat16", **g))
     common: dict[str, Any] = dict(model=model, dtype="bfloat16", module_path=MODULE)
+    store = {"endpoint": store_address, "token": token, "model_id": f"{geometry}-random",
+             "transport": transport}  # fmt: skip
     specs = {
         "anchor": EngineSpec(**common),
+        # The saver: computes each prompt's head and stores it (its saves timed).
         "kvstore": EngineSpec(
-            **common, role="kv_both", connector="TimedKVStoreConnector", policy="recompute",
-            extra={"endpoint": store_address, "token": token, "model_id": "smol-random"},
+            **common, role="kv_producer", connector="TimedKVStoreConnector",
+            extra={**store, "layerwise": False},
+        ),
+        # Two loaders of the same blocks, neither saving: whole blocks before the
+        # forward (timed per block: start_load_kv returns when they are in the pages),
+        # and layer by layer beside it.
+        "whole": EngineSpec(
+            **common, role="kv_consumer", connector="TimedKVStoreConnector", policy="recompute",
+            extra={**store, "layerwise": False},
+        ),
+        "layerwise": EngineSpec(
+            **{**common, "module_path": "engine.vllm_connector"}, role="kv_consumer",
+            connector="KVStoreConnector", policy="recompute", extra={**store, "layerwise": True},
         ),
         "example": EngineSpec(
             **common, role="kv_both", connector="TimedExampleConnector",
@@ -153,10 +177,19 @@ def _engines(root: Path, store_address: str, token: str) -> dict[str, Any]:
         ),
     }  # fmt: skip
     engines = {n: EngineProcess(s, root, n, hold=True) for n, s in specs.items()}
-    engines["anchor"].wait_ready()  # fills vLLM's model-info cache for the other two
+    engines["anchor"].wait_ready()  # fills vLLM's model-info cache for the others
+    for e in engines.values():
+        e.release()
     for e in engines.values():
         e.wait_ready()
     return engines
+
+
+def _prompt(seed: int, tokens: int) -> list[int]:
+    """Random token ids (one generator for the whole prompt: a fresh one per token would
+    repeat its first draw, and a prompt of one token repeated is no benchmark)."""
+    rng = random.Random(seed)
+    return [rng.randrange(4, 8192) for _ in range(tokens)]
 
 
 def _ttft(engine: Any, p: list[int]) -> tuple[float, int, list[int]]:
@@ -164,42 +197,60 @@ def _ttft(engine: Any, p: list[int]) -> tuple[float, int, list[int]]:
     return float(out["wall_s"]), int(out["cached"]), list(out["tokens"])
 
 
-def run(runs: int, tokens: int, hits: int) -> dict[str, Any]:
-    """Both engines' numbers, in a temporary directory removed afterwards."""
+def run(
+    runs: int, tokens: int, hits: int, cached: float, geometry: str, transport: str
+) -> dict[str, Any]:
+    """Every engine's numbers, in a temporary directory removed afterwards."""
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
-        return _run_in(Path(tmp), runs, tokens, hits)
+        return _run_in(Path(tmp), runs, tokens, hits, cached, geometry, transport)
 
 
-def _run_in(root: Path, runs: int, tokens: int, hits: int) -> dict[str, Any]:
+HITS = (("whole", "hit"), ("layerwise", "lw_hit"), ("example", "ex_hit"))
+
+
+def _run_in(
+    root: Path,
+    runs: int,
+    tokens: int,
+    hits: int,
+    share: float,
+    geometry: str,
+    transport: str,
+) -> dict[str, Any]:
     from tests.support.server_process import ALPHA, ServerProcess, base_flags
+    from tests.support.vllm_fixtures import SMOL, WIDE
 
     (root / "store").mkdir()
-    flags = {**base_flags(root / "store"), "dram_bytes": "2GiB"}
+    flags = {**base_flags(root / "store"), "dram_bytes": "3GiB"}
     store = ServerProcess(root / "store", flags).start()
     engines: dict[str, Any] = {}
-    rows: dict[str, list[float]] = {k: [] for k in ("anchor", "miss", "hit", "ex_miss", "ex_hit")}
-    cached = {"hit": 0, "ex_hit": 0}
+    rows: dict[str, list[float]] = {
+        k: [] for k in ("anchor", "miss", "ex_miss", "hit", "lw_hit", "ex_hit")
+    }
+    cached: dict[str, list[int]] = {hit: [] for _, hit in HITS}
     try:
-        engines = _engines(root, store.address, ALPHA.token)
-        warm = [random.Random(-1).randrange(4, 8192) for _ in range(tokens)]
+        engines = _engines(root, store.address, ALPHA.token, geometry, transport)
+        warm = _prompt(-1, tokens)
         for e in engines.values():  # first-call costs (allocator, kernels) out of the rounds
             e.generate([warm], 1)
-        pairs = (("kvstore", "miss", "hit"), ("example", "ex_miss", "ex_hit"))
+        head = int(tokens * share)
         for r in range(runs):
-            p = [random.Random(r).randrange(4, 8192) for _ in range(tokens)]
+            p = _prompt(r, tokens)
             t, _, ref = _ttft(engines["anchor"], p)
             rows["anchor"].append(t)
-            for name, miss, _ in pairs:
-                t, _, out = _ttft(engines[name], p)
-                rows[miss].append(t)
-                assert out == ref, f"{name}: tokens differ from the anchor"
-            for _ in range(hits):  # interleaved, so both see the same machine load
-                for name, _, hit in pairs:
+            t, _, _ = _ttft(engines["kvstore"], p[:head])  # computes and saves the head
+            rows["miss"].append(t)
+            # vLLM's example connector finds a prompt by its own tokens only: it saves p
+            t, _, _ = _ttft(engines["example"], p)
+            rows["ex_miss"].append(t)
+            for _ in range(hits):  # interleaved, so all see the same machine load
+                for name, hit in HITS:
                     engines[name].reset()
-                    t, cached[hit], out = _ttft(engines[name], p)
+                    t, n, out = _ttft(engines[name], p)
                     rows[hit].append(t)
+                    cached[hit].append(n)
                     assert out == ref, f"{name}: tokens differ from the anchor"
-        stats = {n: engines[n].stats()["worker"] for n in ("kvstore", "example")}
+        stats = {n: engines[n].stats()["worker"] for n in engines if n != "anchor"}
     finally:
         for e in engines.values():
             e.quit()
@@ -210,61 +261,86 @@ def _run_in(root: Path, runs: int, tokens: int, hits: int) -> dict[str, Any]:
     def per_block_ms(calls: list[tuple[float, int]]) -> float:
         return 1e3 * statistics.median(sec / n for sec, n in calls if n) if calls else 0.0
 
-    per_block = {}
-    for name, st in stats.items():
-        loaded = sum(n for _, n in st["loads"])
-        saved = sum(n for _, n in st["saves"])
-        per_block[name] = {
-            "load_ms": per_block_ms(st["loads"]),
-            "save_ms": per_block_ms(st["saves"]),
-            "load_calls": len(st["loads"]),
-            "phases_mean_ms": {
-                k: 1e3 * v / max(1, loaded if k in ("get_into", "scatter") else saved)
-                for k, v in st["phases"].items()
-            },
-        }
-    return {"tokens": tokens, "runs": runs, "hits_per_run": hits,
-            "ttft_s": {k: statistics.median(v) for k, v in rows.items()},
-            "cached_tokens": cached, "per_block": per_block,
-            "block_bytes": 30 * 2 * 3 * 32 * 64 * 2}  # fmt: skip
+    def phases_ms(st: dict[str, Any], loads: bool) -> dict[str, float]:
+        n = max(1, sum(b for _, b in st["loads" if loads else "saves"]))
+        keep = ("get_into", "scatter") if loads else ("gather", "put")
+        return {k: 1e3 * v / n for k, v in st["phases"].items() if k in keep}
+
+    per_block: dict[str, dict[str, Any]] = {
+        "kvstore": {
+            "load_ms": per_block_ms(stats["whole"]["loads"]),
+            "save_ms": per_block_ms(stats["kvstore"]["saves"]),
+            "load_s_per_request": statistics.median(s for s, n in stats["whole"]["loads"] if n)
+            if stats["whole"]["loads"] else 0.0,
+            "phases_mean_ms": {**phases_ms(stats["whole"], True),
+                               **phases_ms(stats["kvstore"], False)},
+        },
+        "example": {
+            "load_ms": per_block_ms(stats["example"]["loads"]),
+            "save_ms": per_block_ms(stats["example"]["saves"]),
+        },
+    }  # fmt: skip
+    g = {"wide": WIDE, "smol": SMOL}[geometry]
+    ttft = {k: statistics.median(v) for k, v in rows.items()}
+    load_s = per_block["kvstore"]["load_s_per_request"]
+    return {"tokens": tokens, "cached_share": share, "runs": runs, "hits_per_run": hits,
+            "geometry": {"name": geometry, **g}, "transport": transport,
+            "ttft_s": ttft, "cached_tokens": cached, "per_block": per_block,
+            "layerwise_loads": stats["layerwise"]["layerwise_loads"],
+            "layer_wait_s_per_step": stats["layerwise"]["layer_wait_us"] / 1e6
+            / max(1, stats["layerwise"]["layerwise_loads"]),
+            "hidden_share": (ttft["hit"] - ttft["lw_hit"]) / load_s if load_s else 0.0,
+            "block_bytes": g["layers"] * 2 * g["kv_heads"] * 32 * g["head_dim"] * 2}  # fmt: skip
 
 
 def _print(res: dict[str, Any]) -> None:
-    t, pb = res["ttft_s"], res["per_block"]
+    t, pb, g = res["ttft_s"], res["per_block"], res["geometry"]
     kib = res["block_bytes"] / 1024
-    print(f"vLLM {res['tokens']}-token prompt, SmolLM2-135M geometry (random bf16), CPU; "
-          f"medians of {res['runs']} runs ({res['hits_per_run']} hits each, interleaved); "
-          f"block = 32 tokens x 30 layers = {kib:.0f} KiB")  # fmt: skip
-    print(f"{'TTFT':44} {'seconds':>9} {'vs anchor':>10}")
+    print(f"vLLM {res['tokens']}-token prompt, {res['cached_share']:.0%} of it stored; "
+          f"random bf16 Llama, {g['layers']} layers x {g['kv_heads']} KV heads x "
+          f"{g['head_dim']}, CPU; store over {res['transport']}; medians of {res['runs']} "
+          f"runs ({res['hits_per_run']} hits each, interleaved); block = 32 tokens = "
+          f"{kib:.0f} KiB")  # fmt: skip
+    print(f"{'TTFT':52} {'seconds':>9} {'vs recompute':>13}")
+    c = {k: "/".join(str(n) for n in sorted(set(v))) for k, v in res["cached_tokens"].items()}
     lines = [
-        ("anchor: recompute (no connector)", t["anchor"]),
-        (f"kvstore hit ({res['cached_tokens']['hit']} tokens loaded)", t["hit"]),
-        ("kvstore miss (compute + save)", t["miss"]),
-        (f"example connector hit ({res['cached_tokens']['ex_hit']} tokens)", t["ex_hit"]),
-        ("example connector miss (compute + save)", t["ex_miss"]),
+        ("recompute (no connector)", t["anchor"]),
+        (f"kvstore, layer-wise loads ({c['lw_hit']} tokens loaded)", t["lw_hit"]),
+        (f"kvstore, whole-block loads ({c['hit']} tokens loaded)", t["hit"]),
+        (f"vLLM ExampleConnector ({c['ex_hit']} tokens loaded)", t["ex_hit"]),
+        ("kvstore miss of the stored head (compute + save)", t["miss"]),
+        ("ExampleConnector miss (compute + save, whole prompt)", t["ex_miss"]),
     ]
     for label, v in lines:
-        print(f"{label:44} {v:9.3f} {t['anchor'] / v:9.2f}x")
-    print(f"{'per block':44} {'load ms':>9} {'save ms':>10}")
+        print(f"{label:52} {v:9.3f} {t['anchor'] / v:12.2f}x")
+    load = pb["kvstore"]["load_s_per_request"]
+    print(f"whole-block load of the stored head: {load:.3f} s; layer-wise saves "
+          f"{t['hit'] - t['lw_hit']:.3f} s of TTFT: {res['hidden_share']:.0%} of the transfer "
+          f"hidden behind compute ({res['layerwise_loads']} layer-wise steps; the forward "
+          f"waited {res['layer_wait_s_per_step']:.3f} s a step for layers to land)")  # fmt: skip
+    print(f"{'per block':52} {'load ms':>9} {'save ms':>10}")
     for name, label in (("example", "anchor: vLLM ExampleConnector (files)"),
-                        ("kvstore", "kvstore (shared memory)")):  # fmt: skip
-        print(f"{label:44} {pb[name]['load_ms']:9.3f} {pb[name]['save_ms']:10.3f}")
+                        ("kvstore", f"kvstore ({res['transport']})")):  # fmt: skip
+        print(f"{label:52} {pb[name]['load_ms']:9.3f} {pb[name]['save_ms']:10.3f}")
     phases = ", ".join(f"{k} {v:.3f}" for k, v in pb["kvstore"]["phases_mean_ms"].items())
     print(f"kvstore steps, mean ms per block: {phases}")
-    load = pb["kvstore"]["load_ms"] / max(pb["example"]["load_ms"], 1e-9)
-    save = pb["kvstore"]["save_ms"] / max(pb["example"]["save_ms"], 1e-9)
-    print(f"kvstore / example connector, time per block: load {load:.2f}x, save {save:.2f}x "
-          "(below 1: kvstore faster)")  # fmt: skip
+    ld = pb["example"]["load_ms"] / max(pb["kvstore"]["load_ms"], 1e-9)
+    sv = pb["example"]["save_ms"] / max(pb["kvstore"]["save_ms"], 1e-9)
+    print(f"kvstore vs the example connector, per block: loads {ld:.2f}x faster, saves "
+          f"{sv:.2f}x faster")  # fmt: skip
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--tokens", type=int, default=3072)
+    ap.add_argument("--cached", type=float, default=0.75, help="share of the prompt stored")
     ap.add_argument("--hits", type=int, default=3, help="store hits per run and connector")
+    ap.add_argument("--geometry", choices=GEOMETRIES, default="wide")
+    ap.add_argument("--transport", choices=("tcp", "auto", "shm"), default="tcp")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    res = run(args.runs, args.tokens, args.hits)
+    res = run(args.runs, args.tokens, args.hits, args.cached, args.geometry, args.transport)
     if args.json:
         print(json.dumps(res, indent=2))
     else:

@@ -49,6 +49,7 @@ scheduler matches rank 0's keys (a shard missing on another rank is a load error
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -388,7 +389,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         """Return once this layer of every block the step loads is in its pages."""
         step = self._step
         if step is not None:
+            t0 = time.perf_counter()
             step.wait(self._layer_of[layer_name])
+            self.stats.layer_wait_us += int((time.perf_counter() - t0) * 1e6)
 
     def save_kv_layer(
         self,

@@ -140,6 +140,7 @@ class ConnectorStats:
     hit_tokens: int = 0  # tokens promised to vLLM from the store
     loaded_blocks: int = 0
     layerwise_loads: int = 0  # steps whose loads ran layer by layer beside the forward
+    layer_wait_us: int = 0  # time the forward waited for a layer to land, in all
     failed_blocks: int = 0  # promised but not loaded (miss, corrupt, store down)
     saved_blocks: int = 0
     present_blocks: int = 0  # blocks put that the store already held

@@ -33,6 +33,7 @@ __all__ = [
     "OTHER_ISA",
     "SMOL",
     "TINY",
+    "WIDE",
     "EngineProcess",
     "EngineSpec",
     "engine_env",
@@ -47,6 +48,9 @@ OTHER_ISA = "other"  # EngineSpec.attn_isa: a kernel the other engines do not ru
 TINY = dict(layers=2, heads=4, kv_heads=2, head_dim=32, intermediate=256, vocab=512)
 # SmolLM2-135M's geometry (random weights): big enough for prefill time to matter.
 SMOL = dict(layers=30, heads=9, kv_heads=3, head_dim=64, intermediate=1536, vocab=8192)
+# KV heavy enough for its transfer to matter (2 MiB per 32-token bf16 block), small
+# enough to prefill on 2 cores: 16 layers, 8 KV heads of 128.
+WIDE = dict(layers=16, heads=8, kv_heads=8, head_dim=128, intermediate=2048, vocab=8192)
 
 
 def write_tiny_llama(
@@ -203,9 +207,15 @@ class EngineProcess:
         the worker side the attention kernel ``isa`` and the ``page`` order it probed."""
         return dict(self.call("info"))
 
-    def reset(self) -> None:
-        """Drop vLLM's local prefix cache, so the next hit can only come from the store."""
-        self.call("reset")
+    def reset(self, within: float = 10.0) -> None:
+        """Drop vLLM's local prefix cache, so the next hit can only come from the store.
+        vLLM refuses while blocks are still in use (a request just finished): asked
+        again until it agrees, within ``within`` seconds."""
+        deadline = time.monotonic() + within
+        while not self.call("reset"):
+            if time.monotonic() > deadline:
+                raise RuntimeError("vLLM kept refusing to reset its prefix cache")
+            time.sleep(0.05)
 
     def _reply(self, timeout: float) -> Any:
         stdout = self.proc.stdout
