@@ -61,7 +61,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from engine.vllm_loads import LoadItem, StepLoad
+from engine.vllm_loads import BlockTransfer, StepLoad
 from engine.vllm_paged import PagedKV, PageLayout, probe_page_layout
 from engine.vllm_store import (
     BlockStore,
@@ -96,15 +96,6 @@ __all__ = [
 
 # vLLM's logger tree: its level (VLLM_LOGGING_LEVEL) and format apply to our lines.
 logger = logging.getLogger("vllm.kvstore")
-
-
-@dataclass(slots=True)
-class BlockTransfer:
-    """Blocks of one request to move: ``keys[i]`` <-> vLLM page ``block_ids[i]``."""
-
-    req_id: str
-    keys: list[bytes]
-    block_ids: list[int]
 
 
 @dataclass
@@ -362,9 +353,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             return
         paged = self._paged
         assert paged is not None, "register_kv_caches was not called"
-        items = [LoadItem(t.req_id, t.keys, t.block_ids) for t in meta.loads]
         chunk = self.config.max_blocks_per_call
-        self._step = StepLoad(items, self.store, paged, chunk, self._loader)
+        self._step = StepLoad(meta.loads, self.store, paged, chunk, self._loader)
         if self._loader is not None:
             self.stats.layerwise_loads += 1
 

@@ -35,14 +35,14 @@ from engine.vllm_store import ResilientStore
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["LoadItem", "StepLoad"]
+__all__ = ["BlockTransfer", "StepLoad"]
 
 log = logging.getLogger("vllm.kvstore")
 
 
 @dataclass(slots=True)
-class LoadItem:
-    """Blocks of one request to load: ``keys[i]`` into vLLM page ``block_ids[i]``."""
+class BlockTransfer:
+    """Blocks of one request to move: ``keys[i]`` <-> vLLM page ``block_ids[i]``."""
 
     req_id: str
     keys: list[bytes]
@@ -55,7 +55,7 @@ class StepLoad:
 
     def __init__(
         self,
-        items: Sequence[LoadItem],
+        items: Sequence[BlockTransfer],
         store: ResilientStore,
         paged: PagedKV,
         chunk: int,
@@ -129,7 +129,7 @@ class StepLoad:
         """Block until ``layer`` of every block has landed (or failed)."""
         self._done[layer].wait()
 
-    def outcome(self) -> list[tuple[LoadItem, int]]:
+    def outcome(self) -> list[tuple[BlockTransfer, int]]:
         """Per request: how many leading blocks loaded (all layers). Waits for the
         transfer to end."""
         if self._future is not None:

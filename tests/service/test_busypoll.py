@@ -38,11 +38,11 @@ from kvstore.server.serve import StoreServer
 from kvstore.wire.frames import PROTOCOL, REPLY, FrameSocket, Op, frame
 from kvstore.wire.locality import host_id
 from kvstore.wire.polling import IdlePoller, same_process
+from tests.support.frame_pair import frame_pair
 from tests.support.server_process import ALPHA
 
 if TYPE_CHECKING:
     from tests.support.server_fixtures import ServerFactory
-
 
 KiB = 1 << 10
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,17 +53,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def sockets() -> Iterator[tuple[FrameSocket, socket.socket]]:
     """A server-side FrameSocket over loopback TCP and the raw socket of its client."""
-    ls = socket.create_server(("127.0.0.1", 0))
-    client = socket.create_connection(ls.getsockname())
-    server, _ = ls.accept()
-    ls.close()
-    fs = FrameSocket(server, max_meta=1 << 20)
-    fs.set_timeout(5)
-    try:
-        yield fs, client
-    finally:
-        fs.close()
-        client.close()
+    with frame_pair(server_side=True) as pair:
+        yield pair
 
 
 def _later(seconds: float, fn: object) -> threading.Thread:

@@ -25,6 +25,7 @@ from kvstore.client.transport.tcp import TcpTransport
 from kvstore.errors import InvalidValue, KVStoreError, LayoutMismatch
 from kvstore.observe.counters import NodeCounters
 from kvstore.wire.frames import HEADER, MAGIC, REPLY, FrameSocket, Op
+from tests.support.frame_pair import frame_pair
 from tests.support.server_fixtures import ServerFactory
 from tests.support.server_process import ALPHA, ServerProcess
 
@@ -49,17 +50,9 @@ def keys(tag: int, n: int) -> list[bytes]:
 
 @pytest.fixture
 def pair() -> Iterator[tuple[FrameSocket, socket.socket]]:
-    ls = socket.create_server(("127.0.0.1", 0))
-    client = socket.create_connection(ls.getsockname())
-    peer, _ = ls.accept()
-    ls.close()
-    fs = FrameSocket(client, max_meta=1 << 20)
-    fs.set_timeout(5)
-    try:
-        yield fs, peer
-    finally:
-        fs.close()
-        peer.close()
+    """A client FrameSocket and the raw socket of its scripted peer."""
+    with frame_pair() as pair:
+        yield pair
 
 
 def _ranged_reply(whole: np.ndarray, layers: tuple[int, int], range_sum: int) -> bytes:

@@ -27,6 +27,7 @@ from kvstore.client.transport.tcp import TcpTransport
 from kvstore.errors import TimeoutError_, TransportError
 from kvstore.observe.counters import NodeCounters
 from kvstore.wire.frames import HEADER, MAGIC, REPLY, FrameSocket, Op
+from tests.support.frame_pair import frame_pair
 
 MiB = 1 << 20
 KEY = bytes(range(16))
@@ -35,17 +36,8 @@ KEY = bytes(range(16))
 @pytest.fixture
 def pair() -> Iterator[tuple[FrameSocket, socket.socket]]:
     """A client FrameSocket over loopback TCP and the raw socket of its peer."""
-    ls = socket.create_server(("127.0.0.1", 0))
-    client = socket.create_connection(ls.getsockname())
-    peer, _ = ls.accept()
-    ls.close()
-    fs = FrameSocket(client, max_meta=1 << 20)
-    fs.set_timeout(5)
-    try:
-        yield fs, peer
-    finally:
-        fs.close()
-        peer.close()
+    with frame_pair() as pair:
+        yield pair
 
 
 def _send_in_pieces(

@@ -422,7 +422,7 @@ def test_a_steps_loads_land_layer_by_layer_or_whole_and_fail_per_request(
     whose second block misses loads its first only, and that key is offered for removal."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from engine.vllm_loads import LoadItem, StepLoad
+    from engine.vllm_loads import BlockTransfer, StepLoad
 
     ns = Namespace("tiny-steps", "float32:L2:H2:D32:B32:R0")
     layout = KVLayout.parse(ns.layout)
@@ -435,7 +435,7 @@ def test_a_steps_loads_land_layer_by_layer_or_whole_and_fail_per_request(
         assert rs.put(keys[:3], list(blocks[:3])) == (3, 0)  # keys[3] is never stored
         pages = [torch.zeros_like(t) for t in want]
         paged = PagedKV(pages, layout, page)
-        items = [LoadItem("a", keys[:2], [5, 6]), LoadItem("b", keys[2:], [0, 3])]
+        items = [BlockTransfer("a", keys[:2], [5, 6]), BlockTransfer("b", keys[2:], [0, 3])]
         pool = ThreadPoolExecutor(1) if layerwise else None
         try:
             step = StepLoad(items, rs, paged, chunk=2, executor=pool)
