@@ -184,6 +184,14 @@ class SoakCluster:
     def facts(self) -> dict[str, Proc]:
         return {c.name: proc_facts(c.pid) for c in self.nodes if c.proc.poll() is None}
 
+    def endpoints(self) -> dict[str, str]:
+        """Where etcd and each node's gRPC and data sockets listen (for a report)."""
+        out = {"etcd": self.etcd.endpoint}
+        for c in self.nodes:
+            facts = getattr(c, "facts", None) or {}
+            out[c.name] = f"grpc {facts.get('port')} data {facts.get('data_port')}"
+        return out
+
     def stop(self) -> None:
         """Every node (SIGCONT first: a frozen one cannot act on SIGTERM), then etcd."""
         for c in self.nodes:
@@ -493,6 +501,7 @@ def run(cfg: SoakConfig, root: Path | None = None, log: Any = print) -> dict[str
         report["client_opens_refused_at_end"] = prime(cluster, cfg)
         time.sleep(cfg.settle_s)
         server_after, self_after = cluster.facts(), _settled_facts(self_before.fds, cfg.settle_s)
+        report["endpoints"] = cluster.endpoints()  # to name what a leaked socket reaches
         report["load_avg_end"] = os.getloadavg()
     finally:
         stop.set()

@@ -246,12 +246,14 @@ class EtcdDirectory(LeasedDirectory):
 
     async def _disconnect(self) -> None:
         feed, self._feed = self._feed, None
-        if feed is not None:
-            await feed.stop()
         client, self._client = self._client, None
-        if client is not None:
-            with contextlib.suppress(Exception):
-                await client.close()
+        try:
+            if feed is not None:
+                await feed.stop()
+        finally:  # whatever the feed ended with, the channel (and its socket) goes
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    await client.close()
 
     # -- raw calls -------------------------------------------------------------------------
 
@@ -451,11 +453,13 @@ class _WatchFeed:
             raise Unavailable("directory mirror could not load a first listing") from None
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        """End the feed; how it ended (cancelled, or a failure after an etcd restart)
+        no longer matters to anyone."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
 
     async def _run(self) -> None:
         relist, check, backoff = True, False, 0.05
