@@ -70,4 +70,8 @@ def test_a_minute_of_faults_reads_no_wrong_bytes_and_leaks_nothing(tmp_path: Pat
     # more runs in one process (reported in issue 18). Anything else is a leak.
     assert set(extra) <= GRPC_AIO_THREADS and extra["python"] <= 1, client
     opened = sorted(set(after["sockets"]) - set(before["sockets"]))
-    assert after["fds"] <= before["fds"] + (GRPC_AIO_FDS if extra else 0), (opened, report.get("endpoints"), client)
+    assert after["fds"] <= before["fds"] + (GRPC_AIO_FDS if extra else 0), (
+        opened,
+        report.get("endpoints"),
+        client,
+    )
