@@ -362,3 +362,29 @@ def test_node_info_json_round_trip_and_bad_draining() -> None:
     assert NodeInfo.from_json(n.to_json(), epoch=9) == n.with_epoch(9)
     with pytest.raises(DirectoryError, match="malformed"):
         NodeInfo.from_json(b'{"node_id":"n1","host":"h1","draining":"yes"}')
+
+
+def test_a_feed_that_died_does_not_keep_the_channel_open(
+    etcd_server: EtcdProcess, cluster_name: str
+) -> None:
+    """close() closes the aetcd channel however the watch feed ended: a feed that died
+    with an error (as after an etcd restart) once made stop() raise before the close,
+    and the process kept a socket to etcd for good (tests/cluster/test_soak.py)."""
+
+    async def body() -> None:
+        r = EtcdDirectory(etcd_server.endpoint, cluster_name)
+        await r.open()
+        await r.mirror()
+        client, feed = r.client, r._feed
+        assert feed is not None and feed._task is not None
+
+        async def died() -> None:
+            raise DirectoryError("the watch stream ended: etcd went away")
+
+        feed._task.cancel()
+        feed._task = asyncio.ensure_future(died())
+        await asyncio.sleep(0)  # it has failed by now
+        await r.close()
+        assert client.channel is None  # aetcd's close() ran: the channel is gone
+
+    run(body())
