@@ -15,7 +15,7 @@ there (``list_nodes``, or a test registering a node) and waits for its result.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -25,6 +25,10 @@ from kvstore.directory.mirror import Mirror
 from kvstore.errors import ClosedError, TimeoutError_
 
 __all__ = ["BackgroundDirectory"]
+
+log = logging.getLogger(__name__)
+
+CLOSE_TIMEOUT_S = 15.0  # the least close() waits for the directory to close on its loop
 
 T = TypeVar("T")
 
@@ -101,10 +105,16 @@ class BackgroundDirectory:
         if loop is None or thread is None:
             return
         self._deregister = deregister
-        with contextlib.suppress(Exception):
-            self._submit(self._shutdown, None)
+        # Closing gets its own, longer bound: a loop stopped before the directory's
+        # channel has closed leaves that channel's socket open for the process's life
+        # (a busy machine can take longer than a call's timeout to close it).
+        bound = max(self.timeout, CLOSE_TIMEOUT_S)
+        try:
+            self._submit(self._shutdown, bound)
+        except Exception as exc:
+            log.warning("directory did not close cleanly within %.1f s: %s", bound, exc)
         loop.call_soon_threadsafe(loop.stop)
-        thread.join(self.timeout)
+        thread.join(bound)
         if not thread.is_alive():
             loop.close()
 
