@@ -1,4 +1,4 @@
-"""A Directory run on a private event loop thread, for synchronous callers.
+"""A Directory run on the process's directory event loop, for synchronous callers.
 
 A :class:`~kvstore.directory.base.Directory` is asyncio and bound to the loop that
 opened it, while :class:`~kvstore.client.store.StoreClient` and its cluster sibling are
@@ -6,10 +6,16 @@ blocking (see kvstore/client/store.py for why). This helper gives such a caller 
 directory's watch-fed :class:`Mirror`, which is thread-safe to read, while the watch
 itself keeps running on a loop nobody else has to drive.
 
+Every BackgroundDirectory of a process runs on one event loop thread (started on first
+use, never stopped). grpc.aio, under aetcd, polls for completions process-wide; with a
+loop per directory, loops that came and went left completions dispatched to a closed
+loop ("Event loop is closed") and channels whose close never finished, each keeping a
+socket to etcd open for the life of the process.
+
 Lifecycle: ``start()`` opens the directory and waits for the mirror's first full
-listing (bounded); ``close()`` closes the directory on its loop, stops the loop and
-joins the thread; both are idempotent. ``call()`` runs any other directory coroutine
-there (``list_nodes``, or a test registering a node) and waits for its result.
+listing (bounded); ``close()`` closes the directory on the loop; both are idempotent.
+``call()`` runs any other directory coroutine there (``list_nodes``, or a test
+registering a node) and waits for its result.
 """
 
 from __future__ import annotations
@@ -46,7 +52,6 @@ class BackgroundDirectory:
         self.directory: Directory | None = None
         self.mirror: Mirror | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._closed = False
         self._deregister = True
@@ -58,12 +63,7 @@ class BackgroundDirectory:
                 raise ClosedError("background directory is closed")
             if self.mirror is not None:
                 return self.mirror
-            loop = asyncio.new_event_loop()
-            thread = threading.Thread(
-                target=_run_loop, args=(loop,), name="kvstore-directory", daemon=True
-            )
-            thread.start()
-            self._loop, self._thread = loop, thread
+            self._loop = directory_loop()
         try:
             self.mirror = self.call(self._open)
         except BaseException:
@@ -101,32 +101,21 @@ class BackgroundDirectory:
             if self._closed:
                 return
             self._closed = True
-            loop, thread = self._loop, self._thread
-        if loop is None or thread is None:
+            loop = self._loop
+        if loop is None:
             return
         self._deregister = deregister
-        # Closing gets its own, longer bound: a loop stopped before the directory's
-        # channel has closed leaves that channel's socket open for the process's life
-        # (a busy machine can take longer than a call's timeout to close it).
+        # Closing gets its own, longer bound (a busy machine can take longer than a
+        # call's timeout); past it the close goes on, on the loop, without the caller.
         bound = max(self.timeout, CLOSE_TIMEOUT_S)
         try:
             self._submit(self._shutdown, bound)
         except Exception as exc:
             log.warning("directory did not close cleanly within %.1f s: %s", bound, exc)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(bound)
-        if not thread.is_alive():
-            loop.close()
 
     async def _shutdown(self) -> None:
         if self.directory is not None:
             await self.directory.close(deregister=self._deregister)
-        me = asyncio.current_task()
-        rest = [t for t in asyncio.all_tasks() if t is not me]  # grpc's stragglers
-        for t in rest:
-            t.cancel()
-        await asyncio.gather(*rest, return_exceptions=True)
-        await asyncio.get_running_loop().shutdown_asyncgens()
 
     def __enter__(self) -> BackgroundDirectory:
         self.start()
@@ -134,6 +123,26 @@ class BackgroundDirectory:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_LOOP_LOCK = threading.Lock()
+_LOOP: asyncio.AbstractEventLoop | None = None
+_LOOP_THREAD: threading.Thread | None = None
+
+
+def directory_loop() -> asyncio.AbstractEventLoop:
+    """The process's directory event loop, running on its own daemon thread (started
+    here on first use, and again in a child that forked after it)."""
+    global _LOOP, _LOOP_THREAD
+    with _LOOP_LOCK:
+        if _LOOP is None or _LOOP_THREAD is None or not _LOOP_THREAD.is_alive():
+            loop = asyncio.new_event_loop()
+            thread = threading.Thread(
+                target=_run_loop, args=(loop,), name="kvstore-directory", daemon=True
+            )
+            thread.start()
+            _LOOP, _LOOP_THREAD = loop, thread
+        return _LOOP
 
 
 def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
