@@ -62,27 +62,8 @@ class MemoryTier(Tier):
         self._registered = False
         self._mm: mmap.mmap | None = None
         self._hold_fd: int | None = None
-        if kind is TierKind.DRAM and not shared:
-            if shm_name:
-                raise ConfigError("shm_name: a private DRAM tier has no segment to name")
-            self.shm_name = None  # no segment: nothing outside this process can map it
-            self._mm = mmap.mmap(-1, self._alloc.capacity)
-            self._host = np.frombuffer(self._mm, dtype=np.uint8)
-            if warm:
-                self._host[::_PAGE] = 0
-            if pin:
-                self._pin_host()
-        elif kind is TierKind.DRAM:
-            self.shm_name = shm_name or owned_name(secrets.token_hex(4))
-            if shm_name:
-                # A configured name belongs to this node: a segment left under it is the
-                # previous incarnation's (killed before it could unlink), so replace it.
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(SHM_DIR, shm_name))
-            else:  # named by pid: crashed nodes' segments are found and reclaimed
-                sweep_stale()
-            self._mm = map_segment(self.shm_name, self._alloc.capacity, create=True)
-            self._hold_fd = hold_segment(self.shm_name)
+        if kind is TierKind.DRAM:
+            self._mm = self._map_dram(shm_name, shared)
             self._host = np.frombuffer(self._mm, dtype=np.uint8)
             if warm:
                 self._host[::_PAGE] = 0
@@ -96,6 +77,26 @@ class MemoryTier(Tier):
             self._dev = torch.empty(self._alloc.capacity, dtype=torch.uint8, device=device)
             if warm:
                 self._dev.zero_()
+
+    def _map_dram(self, shm_name: str | None, shared: bool) -> mmap.mmap:
+        """The DRAM slab: a named segment same-host clients map, or (not ``shared``)
+        anonymous private memory nothing outside this process can open."""
+        if not shared:
+            if shm_name:
+                raise ConfigError("shm_name: a private DRAM tier has no segment to name")
+            self.shm_name = None
+            return mmap.mmap(-1, self._alloc.capacity)
+        self.shm_name = shm_name or owned_name(secrets.token_hex(4))
+        if shm_name:
+            # A configured name belongs to this node: a segment left under it is the
+            # previous incarnation's (killed before it could unlink), so replace it.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(SHM_DIR, shm_name))
+        else:  # named by pid: crashed nodes' segments are found and reclaimed
+            sweep_stale()
+        mm = map_segment(self.shm_name, self._alloc.capacity, create=True)
+        self._hold_fd = hold_segment(self.shm_name)
+        return mm
 
     # -- space -------------------------------------------------------------------------
 
