@@ -30,6 +30,7 @@ from kvstore.blocks import (
     KIND_TORCH,
     BlockHeader,
     checksum,
+    checksum_stream,
     describe,
     host_bytes,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "Landing",
     "LandingPool",
     "Outgoing",
+    "copy_hashed",
     "fresh_landing",
     "out_landing",
     "prepare_writes",
@@ -201,23 +203,29 @@ class Outgoing:
 
     __slots__ = ("data", "index", "info", "key", "sum")
 
-    def __init__(self, index: int, key: bytes, value: Any) -> None:
+    def __init__(self, index: int, key: bytes, value: Any, *, hashed: bool = True) -> None:
         self.index = index
         self.key = key
         self.info = describe(value)
         self.data = host_bytes(value)
-        self.sum = checksum(self.data)
+        self.sum = checksum(self.data) if hashed else 0
 
 
 def prepare_writes(
-    keys: Sequence[bytes], values: Sequence[Any], results: list[Any], max_value: int
+    keys: Sequence[bytes],
+    values: Sequence[Any],
+    results: list[Any],
+    max_value: int,
+    *,
+    hashed: bool = True,
 ) -> list[Outgoing]:
-    """Describe and checksum each value; a value that cannot be stored (bad type, over
-    ``max_value`` bytes) gets its error in ``results`` and is left out of the request."""
+    """Describe and (with ``hashed``) checksum each value; a value that cannot be stored
+    (bad type, over ``max_value`` bytes) gets its error in ``results`` and is left out
+    of the request. Without ``hashed`` the caller hashes as it copies (copy_hashed)."""
     out = []
     for i, (k, v) in enumerate(zip(keys, values, strict=True)):
         try:
-            item = Outgoing(i, k, v)
+            item = Outgoing(i, k, v, hashed=hashed)
             if item.info.nbytes > max_value:
                 raise BlockTooLarge(
                     f"value of {item.info.nbytes} bytes exceeds the server's "
@@ -227,3 +235,25 @@ def prepare_writes(
         except KVStoreError as exc:
             results[i] = exc
     return out
+
+
+COPY_CHUNK = 256 << 10  # a slice the source still has in L2 when it is hashed
+
+
+def copy_hashed(dst: np.ndarray, src: Any) -> int:
+    """Copy ``src`` (flat bytes) into ``dst`` and return the xxh3 of the *source*, one
+    slice at a time: each slice is hashed right after it was copied, while it is still
+    in cache, so the hash costs no second trip to memory. The source is what is
+    hashed: if the caller changes its buffer during the copy, the server's check of
+    the landed bytes fails and nothing torn is stored."""
+    s = np.frombuffer(src, dtype=np.uint8)
+    n = s.nbytes
+    if n <= COPY_CHUNK:
+        np.copyto(dst, s)
+        return checksum(s)
+    digest = checksum_stream()
+    for a in range(0, n, COPY_CHUNK):
+        b = min(a + COPY_CHUNK, n)
+        np.copyto(dst[a:b], s[a:b])
+        digest.update(s[a:b])
+    return int(digest.intdigest())

@@ -146,6 +146,20 @@ class DataConn:
                 slot.release()
         return self._reply(fs, op | REPLY, reply)
 
+    def send_only(self, op: Op, msg: Message, deadline: float) -> None:
+        """Send a request whose reply is read later with :meth:`read_reply`: a pipelined
+        writer sends the next request while the server works on this one. Replies
+        come back in request order."""
+        fs = self.fs
+        fs.set_deadline(deadline)
+        fs.send(op, msg.SerializeToString(), before=self._owed_frames())
+
+    def read_reply(self, op: Op, reply: type[M], deadline: float) -> M:
+        """The reply to the oldest request sent with :meth:`send_only` and not yet read
+        (an ERROR reply raises its error; the stream stays in step)."""
+        self.fs.set_deadline(deadline)
+        return self._reply(self.fs, op | REPLY, reply)[0]
+
     def defer_release(self, lease_ids: Sequence[int]) -> None:
         """Hand read leases back with this connection's next request.
 

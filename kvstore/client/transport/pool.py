@@ -270,7 +270,7 @@ class ConnPool(Links):
                 return shm
             for k in [k for k in self._shm_of if k[0] != info.instance_id]:
                 self._shm_of.pop(k).close()
-        seg = Segment(info.shm_name, info.shm_size)
+        seg = Segment(info.shm_name, info.shm_size, prefault=self.config.shm_prefault_bytes)
         shm = ShmTransport(
             self.counters, seg, verify=self.config.verify_shm, direct=self._direct(info, seg)
         )

@@ -56,6 +56,7 @@ from kvstore._proto import store_pb2 as pb
 from kvstore.blocks import HEADER_SIZE, BlockHeader, checksum, layer_span
 from kvstore.client.transport.buffers import (
     Outgoing,
+    copy_hashed,
     fresh_landing,
     out_landing,
     prepare_writes,
@@ -65,6 +66,7 @@ from kvstore.client.transport.shm_direct import FALLBACK, DirectReader
 from kvstore.client.transport.tcp import SocketTransport, miss, put_results, ranged, receive_inline
 from kvstore.errors import CapacityError, KVStoreError, StorageError, TimeoutError_, TransportError
 from kvstore.observe.counters import NodeCounters
+from kvstore.shm.prefault import Prefaulter
 from kvstore.shm.segment import map_segment
 from kvstore.wire.codec import meta_of
 from kvstore.wire.frames import Op
@@ -77,13 +79,16 @@ log = logging.getLogger(__name__)
 class Segment:
     """A read-write mapping of a node's DRAM segment in this process."""
 
-    def __init__(self, name: str, size: int) -> None:
+    def __init__(self, name: str, size: int, *, prefault: int = 0) -> None:
         if not name or size <= 0:
             raise StorageError("the server has no shared-memory segment")
         self.name = name
         self.size = size
         self._mm: mmap.mmap | None = map_segment(name, size, create=False)
         self.view = np.frombuffer(self._mm, dtype=np.uint8)
+        # the first write to each page of this mapping would fault: fill the page
+        # tables in the background (kvstore/shm/prefault.py)
+        self.prefaulter = Prefaulter(self.view.ctypes.data, size, limit=prefault)
 
     def extent(self, offset: int, n: int) -> np.ndarray:
         """The payload bytes of the block whose extent starts at ``offset``."""
@@ -97,6 +102,7 @@ class Segment:
     def close(self) -> None:
         """Drop the mapping (it lingers while a view of it is alive)."""
         if self._mm is not None:
+            self.prefaulter.stop()  # before the mapping may go
             del self.view
             # a caller may still hold a view; the mapping then goes when the view does
             with contextlib.suppress(BufferError):
@@ -259,7 +265,8 @@ class ShmTransport(SocketTransport):
         deadline: float,
     ) -> list[Any]:
         results: list[Any] = [None] * len(keys)
-        pending = prepare_writes(keys, values, results, conn.info.limits.max_value_bytes)
+        limit = conn.info.limits.max_value_bytes
+        pending = prepare_writes(keys, values, results, limit, hashed=False)
         budget = max(self.segment.size // 2, 1)
         while pending:
             batch, pending = _take_round(pending, budget)
@@ -277,8 +284,12 @@ class ShmTransport(SocketTransport):
         deadline: float,
         results: list[Any],
     ) -> tuple[int, list[Outgoing]]:
-        """RESERVE, copy and COMMIT ``items``; returns (items granted, items refused for
-        lack of room). Every item's outcome is in ``results``."""
+        """RESERVE, then copy and COMMIT ``items`` one by one; returns (items granted,
+        items refused for lack of room). Every item's outcome is in ``results``.
+
+        Each COMMIT goes out as soon as its item is copied and its reply is read at the
+        end: the server checks and seals item i on its CPU while this one copies item
+        i + 1, and the round costs the RESERVE round trip plus the copies."""
         req = pb.PutRequest(scope=scope)
         for it in items:
             req.items.add(key=it.key, meta=meta_of(it.info))
@@ -288,20 +299,42 @@ class ShmTransport(SocketTransport):
         refused = [it for it in items if isinstance(results[it.index], CapacityError)]
         if not granted:
             return 0, refused
-        commit = pb.CommitRequest()
+        sent = 0
         try:
             for it, r in granted:
                 dst = self.segment.extent(r.offset, it.info.nbytes)
-                np.copyto(dst, np.frombuffer(it.data, dtype=np.uint8))
+                it.sum = copy_hashed(dst, it.data)
+                commit = pb.CommitRequest()
                 commit.items.add(lease_id=r.lease_id, checksum=it.sum)
-        except BaseException:
-            if conn.usable:
-                abort = pb.LeaseRequest(lease_ids=[r.lease_id for _, r in granted])
-                conn.call(Op.ABORT, abort, pb.LeaseResponse, deadline)
-            raise
-        resp, _ = conn.call(Op.COMMIT, commit, pb.PutResponse, deadline)
-        put_results(resp, [it for it, _ in granted], results)
+                conn.send_only(Op.COMMIT, commit, deadline)
+                sent += 1
+        finally:
+            self._commit_replies(conn, granted, sent, deadline, results)
         return len(granted), refused
+
+    def _commit_replies(
+        self,
+        conn: DataConn,
+        granted: list[tuple[Outgoing, Any]],
+        sent: int,
+        deadline: float,
+        results: list[Any],
+    ) -> None:
+        """Read the replies to the ``sent`` COMMITs in flight and abort the leases of
+        the items never committed (a copy failed): nothing half-copied becomes
+        visible, and the stream stays in step for the connection's next request."""
+        for it, _ in granted[:sent]:
+            try:
+                resp = conn.read_reply(Op.COMMIT, pb.PutResponse, deadline)
+            except KVStoreError as exc:
+                if not conn.usable:
+                    raise
+                results[it.index] = exc  # this request failed whole; the others answer
+                continue
+            put_results(resp, [it], results)
+        rest = [r.lease_id for _, r in granted[sent:]]
+        if rest and conn.usable:
+            conn.call(Op.ABORT, pb.LeaseRequest(lease_ids=rest), pb.LeaseResponse, deadline)
 
 
 def _take_round(items: list[Outgoing], budget: int) -> tuple[list[Outgoing], list[Outgoing]]:
