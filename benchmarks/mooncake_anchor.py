@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -52,10 +52,11 @@ APT_HINT = "apt-get install libibverbs1 librdmacm1 libnuma1"
 OPS = ("get", "get_into", "put", "put_from")
 N_KEYS = 16  # live keys per measurement: enough to defeat caches, far below any segment
 HOST = "127.0.0.1"
-# INFO logging from the store library costs a dozen stderr lines per setup().
+# INFO logging costs a dozen stderr lines per client; read once, when store.so loads.
 ENV_DEFAULTS = {"MC_LOG_LEVEL": "WARNING"}
 Where = Literal["local", "remote"]
 _seq = itertools.count()
+_LIBC = ctypes.CDLL(None)
 
 
 @dataclass(frozen=True)
@@ -83,12 +84,21 @@ def available() -> str | None:
     if importlib.util.find_spec("mooncake") is None:
         return f"python package mooncake not installed: {PIP_HINT}"
     try:
-        import mooncake.store  # noqa: F401
+        _store_module()
     except (ImportError, OSError) as e:
         return f"mooncake.store not importable ({e}): {PIP_HINT}"
     if not os.access(_master_binary(), os.X_OK):
         return f"{_master_binary()} missing or not executable: {PIP_HINT}"
     return None
+
+
+def _store_module() -> Any:
+    """Import mooncake.store with ENV_DEFAULTS applied (too late once store.so is loaded)."""
+    for key, value in ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    import mooncake.store
+
+    return mooncake.store
 
 
 def _master_binary() -> Path:
@@ -112,7 +122,7 @@ def _free_port() -> int:
 
 def _die_with_parent() -> None:
     """Runs in the child before exec: SIGTERM it if the parent dies without cleaning up."""
-    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG; libc loaded before fork, not after
 
 
 def _stop(proc: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
@@ -202,34 +212,31 @@ def open_store(
     local_segment_bytes=0 mounts no segment ("remote"); >0 mounts one the client's own
     puts can prefer ("local"). local_buffer_bytes stages get()/put() of bytes objects,
     so it must exceed the block size. The master is probed first because setup()
-    against a dead master retries for minutes instead of failing.
+    against a dead master retries for minutes instead of failing. The store's listening
+    sockets are not close-on-exec: fork()ed children (os.system) inherit them.
     """
-    for key, value in ENV_DEFAULTS.items():
-        os.environ.setdefault(key, value)
-    from mooncake.store import MooncakeDistributedStore
-
     host, port = cluster.master_addr.rsplit(":", 1)
     socket.create_connection((host, int(port)), timeout=5).close()
-    store = MooncakeDistributedStore()
-    rc = store.setup(
-        HOST,
-        cluster.metadata_server,
-        local_segment_bytes,
-        local_buffer_bytes,
-        "tcp",
-        "",
-        cluster.master_addr,
-    )
-    if rc != 0:
-        raise RuntimeError(f"MooncakeDistributedStore.setup returned {rc}")
+    store = _store_module().MooncakeDistributedStore()
+    sizes = (local_segment_bytes, local_buffer_bytes)
+    with tempfile.TemporaryFile() as err:  # setup() always logs 2 harmless lines to fd 2
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(err.fileno(), 2)
+        try:
+            rc = store.setup(HOST, cluster.metadata_server, *sizes, "tcp", "", cluster.master_addr)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        if rc != 0:
+            err.seek(0)
+            raise RuntimeError(f"setup() returned {rc}:\n{err.read().decode(errors='replace')}")
     return store
 
 
 def replicate_config(store: Store, cluster: MooncakeCluster, where: Where) -> ReplicateConfig:
     """One replica, placed in the client's own segment ("local") or the storage's."""
-    from mooncake.store import ReplicateConfig
-
-    cfg = ReplicateConfig()
+    cfg = _store_module().ReplicateConfig()
     cfg.replica_num = 1
     cfg.preferred_segment = store.get_hostname() if where == "local" else cluster.storage_segment
     return cfg
@@ -258,9 +265,9 @@ def measure(
     """GB/s (1e9 bytes/s) of budget_bytes moved by `op` in block_bytes objects.
 
     Timed: gets/get_intos on 16 pre-put keys as one loop; puts/put_froms each timed
-    alone. Untimed: the 16 pre-puts, one warm-up get, and removes. Every
-    put uses a fresh key (Mooncake put on an existing key returns 0 but stores nothing)
-    and removes the key from 16 puts back, so at most 16 objects are live.
+    alone. Untimed: the 16 pre-puts, one warm-up get, and removes. Every put uses a
+    fresh key (put on an existing key returns 0 but stores nothing) after removing the
+    key from 16 puts back, so at most 16 objects are live. One call is one sample.
     """
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}")
@@ -291,7 +298,8 @@ def measure(
                 raise RuntimeError(f"{op} returned a short or failed read")
             elapsed = time.perf_counter() - t0
         for i in range(n_ops if op.startswith("put") else 0):
-            store.remove(live[i % N_KEYS], True)
+            if store.remove(live[i % N_KEYS], True) != 0:  # else the segment fills up
+                raise RuntimeError(f"remove {live[i % N_KEYS]} failed")
             live[i % N_KEYS] = key = f"{prefix}-{i}-w"
             t0 = time.perf_counter()
             ok = fn(key)

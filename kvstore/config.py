@@ -269,6 +269,10 @@ class ServerConfig(EtcdAccess):
         data_poll_us: after each reply on the data socket, poll up to this long for the
             same client's next request instead of sleeping (0: off). Only while that
             client has the server to itself: see kvstore/wire/polling.py.
+        data_poll_crowded: poll even while the host has more runnable tasks than CPUs
+            (kvstore/wire/crowding.py). Off by default: a poller then spins on a CPU
+            that its clients need. On where /proc/loadavg counts other containers'
+            tasks and the polls are still wanted.
         workers: threads running blocking node calls for gRPC handlers.
         max_connections: concurrent data sockets.
         max_handshakes: data sockets at once that have not authenticated yet (a share of
@@ -311,6 +315,7 @@ class ServerConfig(EtcdAccess):
     put_grace_s: float = 5.0
     put_floor_bytes: int = 1024**2
     data_poll_us: int = 100
+    data_poll_crowded: bool = False
     workers: int = 8
     max_connections: int = 256
     max_handshakes: int = 64
@@ -414,7 +419,9 @@ class ClientConfig(EtcdAccess):
             reply before sleeping on the socket (0: off). A DRAM hit's reply starts
             40-60 us after the request; a sleeping thread then costs as much again to
             wake on a virtual machine. One thread of the process polls at a time (the
-            others sleep), so other threads keep their turn at the GIL.
+            others sleep), so other threads keep their turn at the GIL. No thread
+            polls while the host has more runnable tasks than CPUs, unless
+            ``reply_poll_crowded`` (kvstore/wire/crowding.py).
         faults: inject failures and stalls under this client, for fault drills (""
             off; ``KVSTORE_FAULTS``): a kvstore/faults.py plan such as
             ``read@10.0.0.7:error=transport:times=3,control.*:delay=0.5``.
@@ -438,6 +445,7 @@ class ClientConfig(EtcdAccess):
     shm_prefault_bytes: int = 32 * 1024**3
     max_reply_bytes: int = 64 * 1024**2
     reply_poll_us: int = 200
+    reply_poll_crowded: bool = False
     faults: str = ""
 
     def __post_init__(self) -> None:

@@ -97,6 +97,9 @@ class FaultyLinks(Links):
     def settle(self, deadline: float) -> None:
         self.inner.settle(deadline)
 
+    def prefaulted(self, timeout: float | None) -> bool:
+        return self.inner.prefaulted(timeout)
+
     def close(self) -> None:
         self.inner.close()
 

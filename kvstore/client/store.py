@@ -194,6 +194,14 @@ class NodeClient:
         """The transport of the latest data connection (``shm`` or ``tcp``; "" before one)."""
         return self._pool.last_transport if self._pool is not None else ""
 
+    def wait_prefaulted(self, timeout: float | None = 30.0) -> bool:
+        """Wait until the node's shared segment, once mapped by a same-host call, is
+        prefaulted in this process (ClientConfig.shm_prefault_bytes); True when it is
+        (or nothing is mapped). An engine calls it at start-up so that its first puts
+        do not pay a page fault per 4 KiB; calls made meanwhile work, only slower."""
+        self._check_open()
+        return self._pool.prefaulted(timeout) if self._pool is not None else True
+
     # -- data ------------------------------------------------------------------------------
 
     # ``namespace=`` on a data call overrides the client's default for that call (the

@@ -52,6 +52,7 @@ from kvstore.server.gateway import Gateway, ReadItem, WriteItem
 from kvstore.server.leases import LeaseKind
 from kvstore.tenants import Principal
 from kvstore.wire.codec import info_from_meta, status_of
+from kvstore.wire.crowding import CROWDING
 from kvstore.wire.frames import (
     PROTOCOL,
     REPLY,
@@ -84,6 +85,13 @@ _UNANSWERED = frozenset((Op.RELEASE, Op.TOUCH))
 HELLO_MAX_META = 4096
 """Largest HELLO metadata accepted: a token, a protocol number, a pid and a host id fit
 many times over, and an unauthenticated peer can make the server allocate no more."""
+
+
+_CLIENT_COPY_RATE = 8e9  # bytes/s a same-host client copies into the segment, at least
+
+
+def _never() -> bool:
+    return False
 
 
 def _parse(cls: type[Message], meta: bytes) -> Any:
@@ -122,7 +130,10 @@ class DataServer:
         self._handshaking = 0  # connections before (or in) HELLO (under _lock)
         self.unix_name = ""
         self.poller = IdlePoller(
-            config.data_poll_us / 1e6, gateway.counters, may_poll=self._may_poll
+            config.data_poll_us / 1e6,
+            gateway.counters,
+            may_poll=self._may_poll,
+            crowded=_never if config.data_poll_crowded else CROWDING.crowded,
         )
         gateway.gauges["connections"] = lambda: len(self._conns)
         gateway.gauges["handshakes"] = lambda: self._handshaking
@@ -259,6 +270,7 @@ class _Session:
         self.id = conn_id
         self.p: Principal | None = None
         self.in_process = False  # the client runs in this process (counted on the server)
+        self.copying_s = 0.0  # how long the client needs before its next request (RESERVE)
         self.handlers: dict[int, Callable[[bytes, int], Message | None]] = {
             Op.GET: self.get,
             Op.LEASE: self.lease,
@@ -312,7 +324,9 @@ class _Session:
                 if later is not None:
                     meta, later = later, None
                     self.dispatch(Op.RELEASE, meta, 0)
-                poller.wait(self.fs, self.id)  # returns at once when it may not poll
+                # returns at once when it may not poll
+                poller.wait(self.fs, self.id, self.copying_s)
+                self.copying_s = 0.0
         except ProtocolError as exc:
             log.warning("data connection %d: %s", self.id, exc)
             _send_error(self.fs, exc)
@@ -528,9 +542,12 @@ class _Session:
     def reserve(self, meta: bytes, body_len: int) -> pb.PutResponse:
         req = _parse(pb.PutRequest, meta)
         scope = req.scope
-        leases = self.gw.reserve_leased(
-            self.principal, scope.model, scope.layout, _write_items(req), self.id
-        )
+        items = _write_items(req)
+        leases = self.gw.reserve_leased(self.principal, scope.model, scope.layout, items, self.id)
+        # the client copies the granted bytes before its first COMMIT: poll that much
+        # longer for it (a sleeping thread costs a wake-up per put)
+        granted = sum(it.nbytes for it, lease in zip(items, leases, strict=True) if lease)
+        self.copying_s = granted / _CLIENT_COPY_RATE
         resp = pb.PutResponse(shm_name=self.gw.node.shm_name or "")
         for lease in leases:
             out = resp.results.add()

@@ -314,6 +314,12 @@ def add_parser(sub: Any) -> None:
         default=None,
         help="accept calls without a token as tenant 'default' (local tests)",
     )
+    p.add_argument(
+        "--data-poll-crowded",
+        action="store_true",
+        default=None,
+        help="poll for clients even while the host has more runnable tasks than CPUs",
+    )
     p.add_argument("--json", action="store_true", help="print the ready line as JSON")
     p.set_defaults(func=_cmd_serve)
 
@@ -324,7 +330,9 @@ def load_configs(
     """Node and server configs from a config file path, flags and the environment."""
     file = read_config_file(args["config"]) if args.get("config") else {"node": {}, "server": {}}
     node_flags = {k: args.get(k) for k in _NODE_FLAGS}
-    server_flags = {k: args.get(k) for k in (*_SERVER_FLAGS, "allow_anonymous")}
+    server_flags = {
+        k: args.get(k) for k in (*_SERVER_FLAGS, "allow_anonymous", "data_poll_crowded")
+    }
     node = load_layered(NodeConfig, env=env, file_values=file["node"], flags=node_flags)
     server = load_layered(ServerConfig, env=env, file_values=file["server"], flags=server_flags)
     return node, server

@@ -21,8 +21,9 @@ allowed only while one client has the server to itself:
   A single change (one client done, another starting) does not count.
 
 With several clients busy, the server runs exactly as without polling: their threads
-keep the CPUs awake anyway. The window is ``ServerConfig.data_poll_us``; 0 turns
-polling off.
+keep the CPUs awake anyway. And none polls while the host has more runnable tasks than
+CPUs (kvstore/wire/crowding.py): the poll would spin on a CPU a client needs. The
+window is ``ServerConfig.data_poll_us``; 0 turns polling off.
 
 The client polls for each reply the same way (ClientConfig.reply_poll_us, see
 kvstore/client/transport/conn.py). Neither end polls when a server and a client share one
@@ -43,6 +44,7 @@ import time
 from collections.abc import Callable
 
 from kvstore.observe.counters import NodeCounters
+from kvstore.wire.crowding import CROWDING
 from kvstore.wire.frames import FrameSocket
 from kvstore.wire.locality import host_id
 
@@ -84,9 +86,11 @@ class IdlePoller:
         *,
         quiet_s: float = 0.005,
         may_poll: Callable[[], bool] = _always,
+        crowded: Callable[[], bool] = CROWDING.crowded,
     ) -> None:
         self.window_s = window_s
         self.may_poll = may_poll
+        self.crowded = crowded
         self.quiet_s = quiet_s
         self.counters = counters if counters is not None else NodeCounters()
         self._slot = threading.Lock()  # held by the one connection polling
@@ -119,18 +123,21 @@ class IdlePoller:
         """Whether a connection is polling right now (holds the one slot)."""
         return self._slot.locked()
 
-    def wait(self, fs: FrameSocket, conn_id: int) -> bool:
-        """Poll ``fs`` for the next request for at most the window; True if bytes have
-        arrived (they are buffered in ``fs``). False when polling is not allowed now,
-        the window passed, or another connection got a request; the caller then blocks
-        as usual."""
+    def wait(self, fs: FrameSocket, conn_id: int, extra_s: float = 0.0) -> bool:
+        """Poll ``fs`` for the next request for at most the window plus ``extra_s`` (the
+        time the client is known to need first: copying a reserved extent); True if
+        bytes have arrived (they are buffered in ``fs``). False when polling is not
+        allowed now, the window passed, or another connection got a request; the caller
+        then blocks as usual."""
         if self.window_s <= 0 or fs.buffered or fs.tls or not self.may_poll():
             return False
         now = time.perf_counter()
-        if now < self._shared_until or not self._slot.acquire(blocking=False):
+        if now < self._shared_until or self.crowded():
+            return False
+        if not self._slot.acquire(blocking=False):
             return False
         try:
-            deadline = now + self.window_s
+            deadline = now + self.window_s + extra_s
             caught = fs.poll_next(
                 lambda: time.perf_counter() < deadline and self._last_conn == conn_id
             )

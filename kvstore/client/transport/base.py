@@ -110,6 +110,10 @@ class Links(ABC):
         """Make sure the server has heard everything this client owes it (deferred
         releases and read reports), so a stats call right after sees them."""
 
+    def prefaulted(self, timeout: float | None) -> bool:
+        """Wait until mapped shared segments are prefaulted (none here: at once)."""
+        return True
+
     @abstractmethod
     def close(self) -> None:
         """Close idle connections (lent ones close on return); idempotent."""

@@ -30,7 +30,6 @@ from kvstore.blocks import (
     KIND_TORCH,
     BlockHeader,
     checksum,
-    checksum_stream,
     describe,
     host_bytes,
 )
@@ -237,23 +236,14 @@ def prepare_writes(
     return out
 
 
-COPY_CHUNK = 256 << 10  # a slice the source still has in L2 when it is hashed
-
-
 def copy_hashed(dst: np.ndarray, src: Any) -> int:
-    """Copy ``src`` (flat bytes) into ``dst`` and return the xxh3 of the *source*, one
-    slice at a time: each slice is hashed right after it was copied, while it is still
-    in cache, so the hash costs no second trip to memory. The source is what is
-    hashed: if the caller changes its buffer during the copy, the server's check of
-    the landed bytes fails and nothing torn is stored."""
+    """Copy ``src`` (flat bytes) into ``dst`` and return the xxh3 of the *source*.
+
+    Hashed after the copy, while the source is still in cache: 1 MiB copied then hashed
+    costs ~100 us here against ~135 us copied and hashed in 256 KiB slices (smaller
+    copies lose the large-copy path of memcpy). The source is what is hashed: if the
+    caller changes its buffer during the copy, the server's check of the landed bytes
+    fails and nothing torn is stored."""
     s = np.frombuffer(src, dtype=np.uint8)
-    n = s.nbytes
-    if n <= COPY_CHUNK:
-        np.copyto(dst, s)
-        return checksum(s)
-    digest = checksum_stream()
-    for a in range(0, n, COPY_CHUNK):
-        b = min(a + COPY_CHUNK, n)
-        np.copyto(dst[a:b], s[a:b])
-        digest.update(s[a:b])
-    return int(digest.intdigest())
+    np.copyto(dst, s)
+    return checksum(s)

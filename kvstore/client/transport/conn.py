@@ -17,13 +17,14 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
 from kvstore._proto import store_pb2 as pb
 from kvstore.errors import KVStoreError, TransportError, error_for_code
+from kvstore.wire.crowding import CROWDING
 from kvstore.wire.frames import (
     PROTOCOL,
     REPLY,
@@ -55,18 +56,23 @@ class DataConn:
         self.idle_since = 0.0  # time.monotonic() when last returned to the pool
         self.reply_poll_s = 0.0  # poll this long for a reply before sleeping (see call)
         self.reply_slot: threading.Lock | None = None  # held by the one thread polling
+        self.crowded: Callable[[], bool] = CROWDING.crowded
 
     @property
     def server_in_process(self) -> bool:
         """Whether INFO shows the server running in this very process."""
         return same_process(self.info.host_id, self.info.pid)
 
-    def poll_replies(self, window_s: float, slot: threading.Lock) -> None:
+    def poll_replies(
+        self, window_s: float, slot: threading.Lock, crowded: Callable[[], bool] | None = None
+    ) -> None:
         """Poll up to ``window_s`` for each reply before sleeping, while holding ``slot``
-        (one lock per client pool: one of its threads polls at a time). Never for a
-        server in this process: the poller would hold the GIL it needs to answer."""
+        (one lock per client pool: one of its threads polls at a time) and while
+        ``crowded()`` says no (kvstore/wire/crowding.py). Never for a server in this
+        process: the poller would hold the GIL it needs to answer."""
         self.reply_poll_s = 0.0 if self.server_in_process else window_s
         self.reply_slot = slot
+        self.crowded = crowded or CROWDING.crowded
 
     @classmethod
     def open(
@@ -133,18 +139,27 @@ class DataConn:
         fs.set_deadline(deadline)
         before = self._owed_frames()
         fs.send(op, msg.SerializeToString(), body, body_len, before=before)
+        self._poll_reply()
+        return self._reply(fs, op | REPLY, reply)
+
+    def _poll_reply(self) -> None:
+        """A sleeping receiver is woken per reply at the price of an interprocessor
+        interrupt and a halted CPU's exit; a short poll catches a DRAM hit's reply with
+        neither (ClientConfig.reply_poll_us). One thread of the pool polls at a time
+        (poll_replies), and none while the host is crowded."""
         slot = self.reply_slot
-        if self.reply_poll_s and slot is not None and slot.acquire(blocking=False):
-            # A sleeping receiver is woken per reply at the price of an interprocessor
-            # interrupt and a halted CPU's exit; a short poll catches a DRAM hit's reply
-            # with neither (ClientConfig.reply_poll_us). One thread of the pool polls at
-            # a time (poll_replies).
+        if (
+            self.reply_poll_s
+            and slot is not None
+            and not self.fs.buffered
+            and not self.crowded()
+            and slot.acquire(blocking=False)
+        ):
             try:
                 end = time.perf_counter() + self.reply_poll_s
-                fs.poll_next(lambda: time.perf_counter() < end)
+                self.fs.poll_next(lambda: time.perf_counter() < end)
             finally:
                 slot.release()
-        return self._reply(fs, op | REPLY, reply)
 
     def send_only(self, op: Op, msg: Message, deadline: float) -> None:
         """Send a request whose reply is read later with :meth:`read_reply`: a pipelined
@@ -158,6 +173,7 @@ class DataConn:
         """The reply to the oldest request sent with :meth:`send_only` and not yet read
         (an ERROR reply raises its error; the stream stays in step)."""
         self.fs.set_deadline(deadline)
+        self._poll_reply()
         return self._reply(self.fs, op | REPLY, reply)[0]
 
     def defer_release(self, lease_ids: Sequence[int]) -> None:

@@ -36,6 +36,7 @@ from kvstore.errors import (
 )
 from kvstore.observe.counters import NodeCounters
 from kvstore.shm.index import IndexReader, reader_supported
+from kvstore.wire.crowding import CROWDING
 from kvstore.wire.frames import Op
 from kvstore.wire.locality import host_id
 
@@ -215,7 +216,8 @@ class ConnPool(Links):
         """A new data connection, polling for replies as the config says (never for a
         server in this process, which learns from HELLO not to poll either)."""
         conn = self._dial(server, deadline)
-        conn.poll_replies(self.config.reply_poll_us / 1e6, self._reply_slot)
+        crowded = _never if self.config.reply_poll_crowded else CROWDING.crowded
+        conn.poll_replies(self.config.reply_poll_us / 1e6, self._reply_slot, crowded)
         return conn
 
     def _dial(self, server: pb.InfoResponse, deadline: float) -> DataConn:
@@ -302,6 +304,17 @@ class ConnPool(Links):
                 link[0].call(Op.EXISTS, pb.KeysRequest(), pb.ExistsResponse, deadline)
             self._give_back(link)
 
+    def prefaulted(self, timeout: float | None) -> bool:
+        """Wait until the segments mapped so far are prefaulted; True when they are."""
+        with self._lock:
+            shms = list(self._shm_of.values())
+        end = None if timeout is None else time.monotonic() + timeout
+        for shm in shms:
+            left = None if end is None else max(end - time.monotonic(), 0.0)
+            if not shm.segment.prefaulter.wait(left):
+                return False
+        return True
+
     def close(self) -> None:
         """Close idle connections and unmap segments (lent ones close on return)."""
         with self._lock:
@@ -313,3 +326,7 @@ class ConnPool(Links):
             conn.close()
         for shm in shms:
             shm.close()
+
+
+def _never() -> bool:
+    return False
