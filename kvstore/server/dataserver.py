@@ -34,6 +34,7 @@ import itertools
 import logging
 import socket
 import ssl
+import struct
 import sys
 import threading
 import time
@@ -87,6 +88,7 @@ HELLO_MAX_META = 4096
 many times over, and an unauthenticated peer can make the server allocate no more."""
 
 
+_SUM = struct.Struct("<Q")  # a payload's xxh3 after it (PutRequest.sums_follow)
 _CLIENT_COPY_RATE = 8e9  # bytes/s a same-host client copies into the segment, at least
 
 
@@ -475,19 +477,20 @@ class _Session:
             )
         req = _parse(pb.PutRequest, meta)
         items = _write_items(req)
-        if sum(it.nbytes for it in items) != body_len:
-            raise ProtocolError(
-                f"PUT items add up to {sum(it.nbytes for it in items)} bytes, frame has {body_len}"
-            )
+        trailer = _SUM.size if req.sums_follow else 0  # each payload's xxh3 after it
+        expected = sum(it.nbytes + trailer for it in items)
+        if expected != body_len:
+            raise ProtocolError(f"PUT items add up to {expected} bytes, frame has {body_len}")
         received = 0
 
-        def fill(target: Any, n: int) -> None:
+        def fill(target: Any, n: int) -> int | None:
             nonlocal received
-            received += n
+            received += n + trailer
             if target is None:
-                self.fs.discard(n)
-            else:
-                self._fill(target.data, n)
+                self.fs.discard(n + trailer)
+                return None
+            self._fill(target.data, n)
+            return _SUM.unpack(self.fs.recv_bytes(trailer))[0] if trailer else None
 
         try:
             results = self.gw.write(self.principal, req.scope.model, req.scope.layout, items, fill)

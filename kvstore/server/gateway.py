@@ -359,15 +359,17 @@ class Gateway:
         model: str,
         layout: str,
         items: Sequence[WriteItem],
-        fill: Callable[[Any, int], None],
+        fill: Callable[[Any, int], int | None],
         path: str = "tcp",
     ) -> list[bool | KVStoreError]:
         """One write request, item by item, in order: reserve the caller's key, have
         ``fill(buffer, nbytes)`` put the item's bytes into the reservation's host buffer
         (``fill(None, nbytes)``: the item is refused or stored already, skip its bytes),
-        commit against the writer's xxh3. Each item reports True (stored), False (stored
-        already) or its error. A failing ``fill`` aborts its reservation and ends the
-        request; the batch-size and scope checks fail it before any fill."""
+        commit against the writer's xxh3: the item's, or the one ``fill`` returns (a
+        writer that sends each checksum after its payload). Each item reports True
+        (stored), False (stored already) or its error. A failing ``fill`` aborts its
+        reservation and ends the request; the batch-size and scope checks fail it
+        before any fill."""
         self.check_batch(len(items))
         ns = self.namespace(p, model, layout)
         out: list[bool | KVStoreError] = []
@@ -385,12 +387,13 @@ class Gateway:
                 out.append(False)
                 continue
             try:
-                fill(res.payload, it.nbytes)
+                sent_sum = fill(res.payload, it.nbytes)
             except BaseException:
                 self.node.abort(res)  # a cut-short payload never becomes visible
                 raise
             try:
-                out.append(self._commit(p, res, it.checksum, path))
+                csum = it.checksum if sent_sum is None else sent_sum
+                out.append(self._commit(p, res, csum, path))
             except KVStoreError as exc:
                 out.append(exc)
         return out

@@ -175,6 +175,7 @@ class StoreServer:
             draining=self._gateway.draining,
             unix_socket=self._data.unix_name if self._data is not None else "",
             pid=os.getpid(),
+            put_sums_follow=True,
         )
 
     async def stop(self, grace: float = 1.0) -> None:

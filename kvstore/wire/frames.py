@@ -234,6 +234,22 @@ class FrameSocket:
         except OSError as exc:
             raise self._failed(exc, "data socket send") from exc
 
+    def send_more(self, parts: Sequence[Any]) -> None:
+        """Send more of the body of the frame :meth:`send` started (it was given the
+        whole ``body_len`` but only the first parts): a writer that prepares each part
+        while the previous one is on its way."""
+        try:
+            if self.tls:
+                for part in parts:
+                    self.sock.sendall(part)
+            else:
+                self._sendv([memoryview(b).cast("B") for b in parts])
+        except KVStoreError:
+            self.broken = True
+            raise
+        except OSError as exc:
+            raise self._failed(exc, "data socket send") from exc
+
     def send_raw(self, data: bytes) -> None:
         """Send whole frames prepared with :func:`frame`."""
         try:

@@ -161,13 +161,25 @@ class DataConn:
             finally:
                 slot.release()
 
-    def send_only(self, op: Op, msg: Message, deadline: float) -> None:
+    def send_only(
+        self,
+        op: Op,
+        msg: Message,
+        deadline: float,
+        body: Sequence[Any] = (),
+        body_len: int = 0,
+    ) -> None:
         """Send a request whose reply is read later with :meth:`read_reply`: a pipelined
         writer sends the next request while the server works on this one. Replies
-        come back in request order."""
+        come back in request order. ``body`` may be the first parts of ``body_len``
+        bytes, the rest following with :meth:`send_more`."""
         fs = self.fs
         fs.set_deadline(deadline)
-        fs.send(op, msg.SerializeToString(), before=self._owed_frames())
+        fs.send(op, msg.SerializeToString(), body, body_len, before=self._owed_frames())
+
+    def send_more(self, parts: Sequence[Any]) -> None:
+        """More body bytes of the request :meth:`send_only` started."""
+        self.fs.send_more(parts)
 
     def read_reply(self, op: Op, reply: type[M], deadline: float) -> M:
         """The reply to the oldest request sent with :meth:`send_only` and not yet read

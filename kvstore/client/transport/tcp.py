@@ -13,13 +13,19 @@ against the xxh3 computed here.
 from __future__ import annotations
 
 import logging
+import struct
 from collections.abc import Sequence
 from typing import Any
 
 from kvstore._proto import store_pb2 as pb
-from kvstore.blocks import BlockHeader, checksum_stream, layer_span
+from kvstore.blocks import BlockHeader, checksum, checksum_stream, layer_span
 from kvstore.client.transport.base import Transport
-from kvstore.client.transport.buffers import fresh_landing, out_landing, prepare_writes
+from kvstore.client.transport.buffers import (
+    Outgoing,
+    fresh_landing,
+    out_landing,
+    prepare_writes,
+)
 from kvstore.client.transport.conn import DataConn
 from kvstore.errors import CorruptBlock, KVStoreError, TransportError
 from kvstore.observe.counters import NodeCounters
@@ -29,6 +35,8 @@ from kvstore.wire.frames import Op
 __all__ = ["SocketTransport", "TcpTransport", "miss", "put_results", "ranged", "receive_inline"]
 
 log = logging.getLogger(__name__)
+
+_SUM = struct.Struct("<Q")  # a payload's xxh3 after it (PutRequest.sums_follow)
 
 
 def miss(get_into: bool) -> Any:
@@ -141,7 +149,17 @@ class TcpTransport(SocketTransport):
         deadline: float,
     ) -> list[Any]:
         results: list[Any] = [None] * len(keys)
-        items = prepare_writes(keys, values, results, conn.info.limits.max_value_bytes)
+        limit = conn.info.limits.max_value_bytes
+        # a batch sends each checksum after its payload; one item gains nothing from it
+        # (the server would wait for the trailer while the client hashes)
+        if conn.info.put_sums_follow and len(keys) > 1:
+            items = prepare_writes(keys, values, results, limit, hashed=False)
+            if items:
+                self._send_hashing(conn, items, scope, deadline)
+                resp = conn.read_reply(Op.PUT, pb.PutResponse, deadline)
+                put_results(resp, items, results)
+            return results
+        items = prepare_writes(keys, values, results, limit)
         if not items:
             return results
         req = pb.PutRequest(scope=scope)
@@ -151,3 +169,23 @@ class TcpTransport(SocketTransport):
         total = sum(it.info.nbytes for it in items)
         resp, _ = conn.call(Op.PUT, req, pb.PutResponse, deadline, body, total)
         return put_results(resp, items, results)
+
+    @staticmethod
+    def _send_hashing(
+        conn: DataConn, items: list[Outgoing], scope: pb.Scope, deadline: float
+    ) -> None:
+        """PUT with each payload's xxh3 sent after it (PutRequest.sums_follow): payload
+        i leaves first and is hashed while the server receives it, the hash goes out
+        with payload i + 1, so no hash of the batch delays the first byte and the
+        server checks each item against its own hash as it lands."""
+        req = pb.PutRequest(scope=scope, sums_follow=True)
+        for it in items:
+            req.items.add(key=it.key, meta=meta_of(it.info))
+        total = sum(it.info.nbytes + _SUM.size for it in items)
+        conn.send_only(Op.PUT, req, deadline, [items[0].data], total)
+        for i, it in enumerate(items):
+            it.sum = checksum(it.data)  # the payload is on its way; hashed from cache
+            after: list[Any] = [_SUM.pack(it.sum)]
+            if i + 1 < len(items):
+                after.append(items[i + 1].data)
+            conn.send_more(after)
