@@ -296,6 +296,15 @@ class ServerConfig(EtcdAccess):
         metrics_host: address the Prometheus endpoint binds (loopback by default: it
             names tenants).
         metrics_port: port of ``/metrics``; -1 serves none, 0 picks a free one.
+        kv_events_endpoint: ZMQ endpoint (``tcp://127.0.0.1:5557``) where the node
+            publishes BlockStored / BlockRemoved in vLLM's KV-events format
+            (kvstore/server/kv_events.py), so routers that consume vLLM's events can
+            follow a kvstore pool; "" publishes none. Needs pyzmq and msgpack.
+        kv_events_replay_endpoint: ZMQ ROUTER endpoint where a subscriber that missed
+            batches asks for them again by sequence number ("" none).
+        kv_events_topic: topic of every published batch.
+        kv_events_block_size: tokens per block, as the events report it (the node
+            stores bytes and does not know the engine's block size).
 
     The ``etcd_*`` credentials of :class:`EtcdAccess` apply to the directory at ``etcd``.
     """
@@ -327,6 +336,10 @@ class ServerConfig(EtcdAccess):
     advertise_host: str = ""
     metrics_host: str = "127.0.0.1"
     metrics_port: int = -1
+    kv_events_endpoint: str = ""
+    kv_events_replay_endpoint: str = ""
+    kv_events_topic: str = "kvstore"
+    kv_events_block_size: int = 16
 
     def __post_init__(self) -> None:
         if not self.host or any(c.isspace() for c in self.host):
@@ -342,6 +355,11 @@ class ServerConfig(EtcdAccess):
                 raise ConfigError(f"{name}: {v} is not a TCP port (0-65535)")
         if self.port and self.port == self.data_port:
             raise ConfigError(f"data_port: must differ from port ({self.port})")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            v = getattr(self, name)
+            if v and not v.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ConfigError(f"{name} {v!r}: a ZMQ endpoint such as tcp://127.0.0.1:5557")
+        _positive(self, "kv_events_block_size")
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port: {self.metrics_port} is not -1 (off) or a TCP port")
         if self.metrics_port > 0 and self.metrics_port in (self.port, self.data_port):

@@ -55,14 +55,32 @@ class EventQueue:
         self._maxlen = maxlen
         self._lock = threading.Lock()
         self.dropped = 0
+        self._taps: tuple[EventQueue, ...] = ()
 
     def put(self, event: BlockEvent) -> None:
-        """Append one event; the oldest is dropped (and counted) when full."""
+        """Append one event (and to every tap); the oldest is dropped (and counted)
+        when full."""
         with self._lock:
             if len(self._q) >= self._maxlen:
                 self._q.popleft()
                 self.dropped += 1
             self._q.append(event)
+        for tap in self._taps:
+            tap.put(event)
+
+    def tap(self, maxlen: int = 1 << 16) -> EventQueue:
+        """A second queue that gets a copy of every event from now on, for one more
+        consumer (the KV-events publisher beside the directory publisher); it drops
+        and counts on its own when its consumer falls behind."""
+        q = EventQueue(maxlen)
+        with self._lock:
+            self._taps = (*self._taps, q)
+        return q
+
+    def untap(self, q: EventQueue) -> None:
+        """Stop copying events into ``q``."""
+        with self._lock:
+            self._taps = tuple(t for t in self._taps if t is not q)
 
     def take(self, limit: int | None = None) -> list[BlockEvent]:
         """Take up to ``limit`` events (all if None), oldest first."""

@@ -39,11 +39,13 @@ from kvstore.node.store import StoreNode
 from kvstore.server.auth import TokenTable
 from kvstore.server.dataserver import DataServer
 from kvstore.server.gateway import Gateway
+from kvstore.server.kv_events import KVEventsPublisher
 from kvstore.server.membership import Membership, node_record
 from kvstore.server.namespaces import NamespaceRegistry
 from kvstore.server.quotas import Quotas
 from kvstore.server.service import StoreServicer, add_to_server
 from kvstore.tenants import Principal
+from kvstore.tiering import TierKind
 from kvstore.wire.locality import host_id, hostname
 
 __all__ = ["StoreServer", "add_parser", "load_configs"]
@@ -65,6 +67,7 @@ class StoreServer:
         self.data_port = 0
         self.metrics_port = -1  # the bound /metrics port once started; -1: none
         self._metrics: Any = None  # kvstore.observe.prometheus.MetricsServer when metrics_port >= 0
+        self.kv_events: KVEventsPublisher | None = None  # kv_events_endpoint set
         self.node: StoreNode | None = None
         self._shm_size = 0
         self._shm_index = ""  # the published DRAM index (kvstore/shm/index.py)
@@ -93,6 +96,7 @@ class StoreServer:
             self.port = self._bind_grpc()
             await self._grpc.start()
             self._start_metrics(gw)
+            self._start_kv_events()
             await self._join()
         except BaseException:
             await self.stop()
@@ -114,6 +118,24 @@ class StoreServer:
         self.membership = Membership(self.node, self.config, info)
         self._gateway.on_drain = self.membership.set_draining  # Drain RPC -> directory
         await self.membership.start()
+
+    def _start_kv_events(self) -> None:
+        """Publish block events in vLLM's KV-events format (``kv_events_endpoint``)."""
+        c, node = self.config, self.node
+        if not c.kv_events_endpoint or node is None:
+            return
+
+        def blocks() -> list[tuple[bytes, TierKind]]:
+            return [(bytes(k), tier) for k, tier, _ in node.snapshot()]
+
+        self.kv_events = KVEventsPublisher(
+            node.events.tap(),
+            blocks,
+            c.kv_events_endpoint,
+            replay_endpoint=c.kv_events_replay_endpoint,
+            topic=c.kv_events_topic,
+            block_size=c.kv_events_block_size,
+        )
 
     def _start_metrics(self, gw: Gateway) -> None:
         """Serve Prometheus ``/metrics`` (``metrics_port`` >= 0): node + gateway books."""
@@ -187,6 +209,11 @@ class StoreServer:
         if self._metrics is not None:
             self._metrics.stop()
             self._metrics = None
+        if self.kv_events is not None:
+            if self.node is not None:
+                self.node.events.untap(self.kv_events.tap)
+            self.kv_events.close()
+            self.kv_events = None
         if self._grpc is not None:
             await self._grpc.stop(grace)
             self._grpc = None
@@ -292,6 +319,10 @@ _SERVER_FLAGS = {
     "advertise_host": "host other nodes and clients dial (default: --host)",
     "metrics_host": "address of the Prometheus endpoint (default 127.0.0.1)",
     "metrics_port": "Prometheus /metrics port (default -1: off; 0 picks one)",
+    "kv_events_endpoint": "ZMQ endpoint publishing vLLM-format KV events (tcp://127.0.0.1:5557)",
+    "kv_events_replay_endpoint": "ZMQ ROUTER endpoint answering KV-event replay requests",
+    "kv_events_topic": "topic of the KV-event batches (default kvstore)",
+    "kv_events_block_size": "tokens per block, as the KV events report it (default 16)",
 }
 
 
@@ -360,6 +391,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             "cluster": cfg.cluster if cfg.etcd else None,
             "address": s.membership.info.address if s.membership else None,
             "metrics_port": s.metrics_port if s.metrics_port >= 0 else None,
+            "kv_events": s.kv_events.endpoint if s.kv_events else None,
+            "kv_events_replay": s.kv_events.replay_endpoint if s.kv_events else None,
         }
         if args.json:
             print(json.dumps(facts), flush=True)

@@ -1,0 +1,119 @@
+"""A node publishes its block events in vLLM's KV-events format (issue 20): ZMQ PUB
+frames (topic, 8-byte sequence, msgpack ``[ts, events]``), BlockStored on a write,
+BlockRemoved on a remove, BlockRemoved + BlockStored when a block changes tier, a
+replay endpoint that resends what a subscriber missed, and a full re-list after the
+publisher fell behind. The same stream decoded with vLLM's own classes:
+tests/vllm/test_vllm_kv_events.py."""
+
+from __future__ import annotations
+
+import base64
+import time
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+
+from kvstore.events import BlockMoved, BlockRemoved, BlockStored, EventQueue
+from kvstore.server.kv_events import KVEventsPublisher
+from kvstore.tenants import Principal
+from kvstore.tiering import TierKind
+from tests.support.kv_events import Subscriber, replay
+from tests.support.server_fixtures import ServerFactory
+from tests.support.server_process import ALPHA
+
+KIB = 1 << 10
+
+
+def _decode(payload: bytes) -> Any:
+    return msgpack.unpackb(payload, raw=False)
+
+
+def _events(batches: list[Any]) -> list[dict[str, Any]]:
+    return [e for _, events, *_ in batches for e in events]
+
+
+def _hashes(batches: list[Any], kind: str, medium: str | None = None) -> set[bytes]:
+    return {
+        h
+        for e in _events(batches)
+        if e["type"] == kind and (medium is None or e["medium"] == medium)
+        for h in e["block_hashes"]
+    }
+
+
+@pytest.mark.process
+def test_a_served_node_publishes_stores_and_removes(server_factory: ServerFactory) -> None:
+    server = server_factory(
+        kv_events_endpoint="tcp://127.0.0.1:*",
+        kv_events_replay_endpoint="tcp://127.0.0.1:*",
+        kv_events_block_size=32,
+    )
+    endpoint = server.facts["kv_events"]
+    assert endpoint.startswith("tcp://127.0.0.1:")
+    sub = Subscriber(endpoint)
+    try:
+        time.sleep(0.3)  # a SUB socket misses what is sent before it has joined
+        keys = [f"kv-events-{i:06d}".encode() for i in range(3)]
+        with server.client(ALPHA) as c:
+            values = [np.full(64 * KIB, i, np.uint8) for i in range(3)]
+            assert c.batch_put(keys, values) == [True] * 3
+            # the node publishes the keys it stores: tenant-scoped (kvstore/tenants.py);
+            # a tenant's router maps its own keys with the scope key INFO gave it
+            info = c.server_info
+            scope = base64.b64decode(info.get("scope_key", ""))
+            keys = Principal(info["tenant"], scope_key=scope).scope_all(keys)
+            batches = sub.until(_decode, lambda b: _hashes(b, "BlockStored") >= set(keys), 10)
+            stored = [e for e in _events(batches) if e["type"] == "BlockStored"]
+            assert _hashes(batches, "BlockStored", "CPU") >= set(keys)
+            assert all(e["block_size"] == 32 and e["token_ids"] == [] for e in stored)
+            assert all(e["parent_block_hash"] is None for e in stored)
+            assert c.remove([b"kv-events-000000"]) == 1
+            batches = sub.until(_decode, lambda b: keys[0] in _hashes(b, "BlockRemoved"), 10)
+            assert _hashes(batches, "BlockRemoved", "CPU") == {keys[0]}
+        seqs = [s for s, _ in sub.seen]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # one per batch, in order
+        again = replay(server.facts["kv_events_replay"], 0)
+        assert [s for s, _ in again] == list(range(len(again)))
+        assert dict(again)[seqs[-1]] == sub.seen[-1][1]  # the same bytes, resent
+    finally:
+        sub.close()
+
+
+def test_tier_moves_and_an_overflow_are_said_in_vllm_terms() -> None:
+    """In process, with a real ZMQ socket: a demotion is BlockRemoved(CPU) +
+    BlockStored(STORAGE); a tap that overflowed makes the next batch AllBlocksCleared
+    followed by every block the node holds."""
+    node_events = EventQueue()
+    tap = node_events.tap(maxlen=4)
+    held = [(b"a" * 16, TierKind.DRAM), (b"b" * 16, TierKind.SSD)]
+    pub = KVEventsPublisher(tap, lambda: held, "tcp://127.0.0.1:*", interval_s=3600)
+    sub = Subscriber(pub.endpoint)
+    try:
+        time.sleep(0.3)
+        node_events.put(BlockStored(b"a" * 16, TierKind.DRAM, 10, b""))
+        node_events.put(BlockMoved(b"a" * 16, TierKind.DRAM, TierKind.SSD))
+        node_events.put(BlockRemoved(b"a" * 16, TierKind.SSD))
+        pub.flush()  # the thread's interval is an hour: only this call publishes
+        got = _events(sub.until(_decode, lambda b: len(_events(b)) >= 4, 5))
+        assert [(e["type"], e["medium"]) for e in got] == [
+            ("BlockStored", "CPU"),
+            ("BlockRemoved", "CPU"),
+            ("BlockStored", "STORAGE"),
+            ("BlockRemoved", "STORAGE"),
+        ]
+        for i in range(6):  # more than the tap holds: it drops, the publisher re-lists
+            node_events.put(BlockStored(bytes([i]) * 16, TierKind.DRAM, 1, b""))
+        pub.flush()
+        batches = sub.until(_decode, lambda b: len(b) >= 2, 5)
+        last = batches[-1][1]
+        assert last[0] == {"type": "AllBlocksCleared"}
+        assert [(e["type"], e["medium"], e["block_hashes"]) for e in last[1:]] == [
+            ("BlockStored", "CPU", [b"a" * 16]),
+            ("BlockStored", "STORAGE", [b"b" * 16]),
+        ]
+    finally:
+        sub.close()
+        pub.close()
+        node_events.untap(tap)
