@@ -1,4 +1,5 @@
-"""``kvstore worker`` and ``kvstore router``: the serving path's two commands.
+"""``kvstore worker``, ``kvstore router`` and ``kvstore vllm-router``: the serving path's
+commands.
 
 Each prints one JSON ready line when it listens (the worker: ``worker_id``, ``address``,
 ``pid``; the router: ``url``, ``pid``), so a script or ``kvstore up`` can wait for it,
@@ -39,11 +40,30 @@ def add_parser(sub: Any) -> None:
     r.add_argument("--json", action="store_true", help="(the ready line is always JSON)")
     r.set_defaults(func=_run_router)
 
+    from engine.serving import vllm_pools
+
+    v = sub.add_parser(
+        "vllm-router",
+        help="pools of `vllm serve` (kvstore's connector) behind one OpenAI front",
+        description="Send each request to a prefill server (max_tokens=1), then to a decode "
+        "server, skipping the prefill when the store holds the whole prompt.",
+        epilog="example: kvstore vllm-router --model ./m --dtype float32 --block-size 32 "
+        "--prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --store 127.0.0.1:7400",
+    )
+    vllm_pools.add_arguments(v)
+    v.set_defaults(func=_run_vllm_router)
+
 
 def _run_worker(args: argparse.Namespace) -> int:
     from engine.serving.worker import run_worker
 
     return run_worker(args)
+
+
+def _run_vllm_router(args: argparse.Namespace) -> int:
+    from engine.serving.vllm_pools import run
+
+    return run(args)
 
 
 def _run_router(args: argparse.Namespace) -> int:
