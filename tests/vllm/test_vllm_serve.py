@@ -109,26 +109,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         for s in servers.values():
             s.wait_ready()
         env = {**os.environ, "KVSTORE_TOKEN": ALPHA.token}
+        argv = [
+            sys.executable, "-m", "engine.serving.vllm_pools",
+            "--prefill", servers["prefill"].url, "--decode", servers["decode"].url,
+            "--model", str(model), "--dtype", "float32", "--block-size", str(BLOCK),
+            "--store", store.address, "--port", "0",
+        ]  # fmt: skip
         router = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "engine.serving.vllm_pools",
-                "--prefill",
-                servers["prefill"].url,
-                "--decode",
-                servers["decode"].url,
-                "--model",
-                str(model),
-                "--dtype",
-                "float32",
-                "--block-size",
-                str(BLOCK),
-                "--store",
-                store.address,
-                "--port",
-                "0",
-            ],  # fmt: skip
+            argv,
             stdout=subprocess.PIPE,
             stderr=open(root / "router.log", "w"),  # noqa: SIM115 - the child owns it
             text=True,
