@@ -429,8 +429,9 @@ class ClientConfig(EtcdAccess):
             off: every shm read takes a lease first.
         shm_prefault_bytes: how much of a node's mapped segment a background thread
             prefaults at connect (kvstore/shm/prefault.py): without it the first write
-            to each page costs a fault, and a 1 MiB put into a fresh extent runs at
-            ~3 GB/s instead of ~14. Costs 2 MiB of page tables per GiB; 0: off.
+            to each page costs a fault, and 1 MiB copies into fresh extents run at
+            ~3 GB/s instead of ~17 (benchmarks/bench_prefault.py). Costs 2 MiB of page
+            tables per GiB; 0: off.
         max_reply_bytes: largest gRPC message and data-frame metadata this client accepts
             (``KVSTORE_MAX_REPLY_BYTES``; the server's own limit is max_message_bytes).
         reply_poll_us: after sending a data-socket request, poll this long for the

@@ -3,8 +3,8 @@ at memory speed from the first one.
 
 Each process has its own page tables. A client that maps a node's DRAM segment starts
 with none: its first write to each 4 KiB page takes a minor fault, about 1.5 us here,
-so a 1 MiB copy into an extent this process never touched costs ~400 us instead of ~70 us
-(3.0 against 14.5 GB/s on this project's 2-core hosts). Puts land in fresh extents all
+so 1 MiB copies into extents this process never touched ran at 3.1 GB/s against 16.8
+prefaulted on this project's 2-core hosts (benchmarks/bench_prefault.py). Puts land in fresh extents all
 over the segment, so without this every same-host put pays the faults.
 
 ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14) fills the page tables without changing a
