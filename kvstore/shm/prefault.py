@@ -4,8 +4,9 @@ at memory speed from the first one.
 Each process has its own page tables. A client that maps a node's DRAM segment starts
 with none: its first write to each 4 KiB page takes a minor fault, about 1.5 us here,
 so 1 MiB copies into extents this process never touched ran at 3.1 GB/s against 16.8
-prefaulted on this project's 2-core hosts (benchmarks/bench_prefault.py). Puts land in fresh extents all
-over the segment, so without this every same-host put pays the faults.
+prefaulted on this project's 2-core hosts (benchmarks/bench_prefault.py). Puts land in
+fresh extents all over the segment, so without this every same-host put pays the
+faults.
 
 ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14) fills the page tables without changing a
 byte. It runs on a daemon thread through ctypes, which releases the GIL, in chunks, so
