@@ -7,134 +7,26 @@ Runs in .venv-vllm (``make test-vllm``)."""
 
 from __future__ import annotations
 
-import json
-import os
-import select
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
-httpx = pytest.importorskip("httpx")
 
-from tests.support.server_process import ALPHA, ServerProcess, base_flags  # noqa: E402
-from tests.support.vllm_fixtures import BLOCK, engine_env, write_tiny_llama  # noqa: E402
+from tests.support.server_process import ALPHA  # noqa: E402
+from tests.support.vllm_fixtures import BLOCK, write_tiny_llama  # noqa: E402
+from tests.support.vllm_serve import serve_stack  # noqa: E402
 
 pytestmark = pytest.mark.process
-
-ROOT = Path(__file__).resolve().parents[2]
-START_S = 300.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class ApiServer:
-    """One ``vllm serve`` (its OpenAI server module), stopped by PID."""
-
-    def __init__(self, model: Path, root: Path, name: str, kv: dict[str, Any] | None) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = root / f"vllm-{name}.log"
-        argv = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(model), "--host", "127.0.0.1", "--port", str(self.port),
-            "--dtype", "float32", "--enforce-eager", "--block-size", str(BLOCK),
-            "--max-model-len", "2048", "--max-num-seqs", "8", "--seed", "0",
-            "--distributed-executor-backend", "uni", "--enable-prefix-caching",
-        ]  # fmt: skip
-        if kv is not None:
-            argv += ["--kv-transfer-config", json.dumps(kv)]
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, env=engine_env(root), cwd=ROOT
-            )
-
-    def wait_ready(self) -> None:
-        end = time.monotonic() + START_S
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve died; its log:\n{self.log.read_text()[-4000:]}")
-            try:
-                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"vllm serve not ready in {START_S} s: {self.log}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     root = tmp_path_factory.mktemp("vllm-serve")
-    model = write_tiny_llama(root / "tiny")
-    (root / "store").mkdir()
-    store = ServerProcess(root / "store", base_flags(root / "store")).start()
-    extra = {"endpoint": store.address, "token": ALPHA.token}
-
-    def kv(role: str) -> dict[str, Any]:
-        return {
-            "kv_connector": "KVStoreConnector",
-            "kv_connector_module_path": "engine.vllm_connector",
-            "kv_role": role,
-            "kv_connector_extra_config": extra,
-        }
-
-    servers = {
-        "prefill": ApiServer(model, root, "prefill", kv("kv_producer")),
-        "decode": ApiServer(model, root, "decode", kv("kv_consumer")),
-        "plain": ApiServer(model, root, "plain", None),
-    }
-    router: subprocess.Popen[str] | None = None
-    try:
-        for s in servers.values():
-            s.wait_ready()
-        env = {**os.environ, "KVSTORE_TOKEN": ALPHA.token}
-        argv = [
-            sys.executable, "-m", "engine.serving.vllm_pools",
-            "--prefill", servers["prefill"].url, "--decode", servers["decode"].url,
-            "--model", str(model), "--dtype", "float32", "--block-size", str(BLOCK),
-            "--store", store.address, "--port", "0",
-        ]  # fmt: skip
-        router = subprocess.Popen(
-            argv,
-            stdout=subprocess.PIPE,
-            stderr=open(root / "router.log", "w"),  # noqa: SIM115 - the child owns it
-            text=True,
-            env=env,
-            cwd=ROOT,
-        )
-        assert router.stdout is not None
-        ready, _, _ = select.select([router.stdout], [], [], 60)
-        assert ready, (root / "router.log").read_text()
-        url = json.loads(router.stdout.readline())["url"]
-        yield {"router": url, "model": str(model), "store": store, **servers}
-    finally:
-        if router is not None:
-            router.terminate()
-            router.wait(30)
-        for s in servers.values():
-            s.stop()
-        store.stop()
+    with serve_stack(root, write_tiny_llama(root / "tiny"), "float32") as s:
+        yield s
 
 
 def _hits(c: Any) -> int:

