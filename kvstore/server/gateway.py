@@ -248,13 +248,19 @@ class Gateway:
     ) -> None:
         """Account reads a same-host client served itself from the published DRAM
         index (kvstore/shm/index.py): DRAM hits, bytes out over shm, recency, and the
-        latency of each call (``seconds``)."""
+        latency of each call (``seconds``).
+
+        The figures are the client's word: a byte count beyond what ``keys`` can hold
+        (each at most max_value_bytes) and latencies that are not a number of seconds
+        within an hour, or more of them than keys, are cut to what is possible, so a
+        hostile or broken client can skew its own counts but never overflow one."""
         self.check_batch(len(keys))
         self.node.touch(p.scope_all(keys))
         self.counters.inc("hits_dram", len(keys), tenant=p.tenant)
-        self.count_out(p, "shm", nbytes)
-        for s in seconds:
-            self.counters.observe("get", "shm", s)
+        self.count_out(p, "shm", min(max(nbytes, 0), len(keys) * self.max_value_bytes))
+        for s in seconds[: len(keys)]:
+            if 0.0 <= s <= 3600.0:  # NaN fails both
+                self.counters.observe("get", "shm", s)
 
     def count_out(self, p: Principal, path: str, nbytes: int) -> None:
         """Payload bytes handed to a reader over ``path`` (shm, tcp, grpc)."""

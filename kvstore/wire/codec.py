@@ -101,9 +101,18 @@ def stats_to_proto(stats: Mapping[str, Any], server: Mapping[str, int]) -> pb.St
     )
     for name, t in stats["tiers"].items():
         resp.tiers.add(tier=name, capacity=t["capacity"], used=t["used"], blocks=t["blocks"])
-    resp.counters.update(stats["counters"])
-    resp.server.update(server)
+    resp.counters.update({k: _int64(v) for k, v in stats["counters"].items()})
+    resp.server.update({k: _int64(v) for k, v in server.items()})
     return resp
+
+
+_INT64_MAX = (1 << 63) - 1
+
+
+def _int64(v: int) -> int:
+    """A counter as the wire's int64 can carry it (saturating): one counter gone wild
+    must not take the whole Stats answer with it."""
+    return max(-_INT64_MAX - 1, min(int(v), _INT64_MAX))
 
 
 def stats_from_proto(resp: pb.StatsResponse) -> dict[str, Any]:

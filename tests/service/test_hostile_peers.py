@@ -189,3 +189,33 @@ def test_peak_memory_under_256_hostile_connections_is_bounded(
     with server.client(ALPHA, transport="tcp") as fresh:  # new clients get in again
         assert fresh.put(b"o" * 16, value)
         assert np.array_equal(fresh.get(b"o" * 16), value)
+
+
+def test_a_touch_claiming_absurd_figures_cannot_break_stats(server_factory: ServerFactory) -> None:
+    """TOUCH carries the client's own count of bytes and latencies (reads it served
+    itself from shared memory). A client claiming 2**64 - 1 bytes and latencies that
+    are NaN, negative or a day long must not overflow a counter: Stats still answers,
+    with the bytes cut to what the touched keys can hold (found by the wire fuzzer)."""
+    server = server_factory()
+    with server.client(ALPHA, transport="tcp") as c:
+        key = b"touch-absurd-000"
+        c.put(key, np.zeros(4096, dtype=np.uint8))
+        fs = FrameSocket(
+            socket.create_connection(("127.0.0.1", server.data_port)), max_meta=1 << 20
+        )
+        fs.set_timeout(10)
+        fs.send(Op.HELLO, pb.Hello(token=ALPHA.token, protocol=PROTOCOL).SerializeToString())
+        op, meta_len, _ = fs.recv_header()
+        assert op == Op.INFO
+        fs.recv_bytes(meta_len)
+        touch = pb.TouchRequest(
+            keys=[key], payload_bytes=(1 << 64) - 1, call_seconds=[float("nan"), -1.0, 86400.0]
+        )
+        fs.send(Op.TOUCH, touch.SerializeToString())  # no reply, by design
+        fs.send(Op.EXISTS, pb.KeysRequest(keys=[key]).SerializeToString())
+        op, meta_len, _ = fs.recv_header()  # answered after the TOUCH was handled
+        fs.recv_bytes(meta_len)
+        fs.close()
+        server_counts = c.stats()["server"]
+        max_value = int(c.server_info["limits"]["max_value_bytes"])
+        assert 0 < server_counts["bytes_out_shm"] <= max_value
