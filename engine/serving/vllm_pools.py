@@ -16,7 +16,8 @@ Per request, as vLLM's disaggregated-prefill proxy does:
    which computes the prompt and saves its blocks; a prefill that fails is tried on the
    next server, and with none left the decode server computes the prompt itself;
 4. the original request goes to a decode server (the one with fewest requests in
-   flight) and its answer, streamed or not, goes back as it comes.
+   flight; one that cannot be reached or answers 5xx before anything was sent: the
+   next) and its answer, streamed or not, goes back as it comes.
 
 Every answer says where it went: ``x-kvstore-prefill`` (a URL or ``skipped``),
 ``x-kvstore-decode`` and ``x-kvstore-cached-blocks``.
@@ -122,7 +123,8 @@ class Pools:
             ids = self.tokenizer().apply_chat_template(
                 body.get("messages", []), add_generation_prompt=True, tokenize=True
             )
-            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            # a BatchEncoding (a mapping) in newer transformers, a list in older ones
+            return [int(t) for t in (ids["input_ids"] if hasattr(ids, "keys") else ids)]
         prompt = body.get("prompt", "")
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return list(prompt)
@@ -191,8 +193,12 @@ class Pools:
         if not isinstance(body, dict):
             return _error(400, "the body must be a JSON object")
         self.stats["requests"] += 1
-        ids = await asyncio.to_thread(self.token_ids, path, body)
-        cached, full = await asyncio.to_thread(self.cached_blocks, ids)
+        try:
+            ids = await asyncio.to_thread(self.token_ids, path, body)
+            cached, full = await asyncio.to_thread(self.cached_blocks, ids)
+        except Exception as exc:  # the check is an optimization: never fail a request on it
+            log.warning("cache check skipped (%s: %s)", type(exc).__name__, exc)
+            cached, full = 0, 0
         try:
             if full and cached >= full:
                 prefill = "skipped"
@@ -212,16 +218,28 @@ class Pools:
         return await self._decode(path, body, headers)
 
     async def _decode(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Response:
-        s = self._least_busy(self.decode)[0]
-        headers["x-kvstore-decode"] = s.url
-        s.in_flight += 1
         http = self.http()
-        try:
-            up = await http.send(http.build_request("POST", s.url + path, json=body), stream=True)
-        except httpx.HTTPError as exc:
-            s.in_flight -= 1
-            s.failures += 1
-            return _error(502, f"decode server {s.url} failed: {exc}", headers)
+        failed: list[str] = []
+        for s in self._least_busy(self.decode):  # one that cannot be reached: the next
+            s.in_flight += 1
+            try:
+                req = http.build_request("POST", s.url + path, json=body)
+                up = await http.send(req, stream=True)
+            except httpx.HTTPError as exc:
+                s.in_flight -= 1
+                s.failures += 1
+                failed.append(f"{s.url}: {exc}")
+                continue
+            if up.status_code >= 500 and len(failed) + 1 < len(self.decode):
+                await up.aclose()
+                s.in_flight -= 1
+                s.failures += 1
+                failed.append(f"{s.url}: HTTP {up.status_code}")
+                continue
+            break
+        else:
+            return _error(502, "every decode server failed: " + "; ".join(failed), headers)
+        headers["x-kvstore-decode"] = s.url
         if not body.get("stream"):
             try:
                 content = await up.aread()

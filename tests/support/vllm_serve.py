@@ -27,13 +27,13 @@ import httpx
 from tests.support.server_process import ALPHA, ServerProcess, base_flags
 from tests.support.vllm_fixtures import BLOCK, engine_env
 
-__all__ = ["ApiServer", "serve_stack"]
+__all__ = ["ApiServer", "free_port", "serve_stack", "vllm_router"]
 
 ROOT = Path(__file__).resolve().parents[2]
 START_S = 300.0
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -45,7 +45,7 @@ class ApiServer:
     def __init__(
         self, model: Path, root: Path, name: str, kv: dict[str, Any] | None, dtype: str
     ) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = root / f"vllm-{name}.log"
         argv = [
@@ -95,49 +95,60 @@ def _connector(role: str, store: ServerProcess) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
+def vllm_router(
+    root: Path,
+    model: Path,
+    dtype: str,
+    store: ServerProcess,
+    prefill: list[str],
+    decode: list[str],
+    name: str = "router",
+) -> Iterator[str]:
+    """``kvstore vllm-router`` in front of ``prefill`` and ``decode``; yields its URL."""
+    argv = [sys.executable, "-m", "engine.serving.vllm_pools", "--model", str(model),
+            "--dtype", dtype, "--block-size", str(BLOCK), "--store", store.address,
+            "--port", "0"]  # fmt: skip
+    for url in prefill:
+        argv += ["--prefill", url]
+    for url in decode:
+        argv += ["--decode", url]
+    log_path = root / f"{name}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env={**os.environ, "KVSTORE_TOKEN": ALPHA.token},
+            cwd=ROOT,
+        )
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        if not ready:
+            raise RuntimeError(f"router did not start: {log_path.read_text()}")
+        yield str(json.loads(proc.stdout.readline())["url"])
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@contextlib.contextmanager
 def serve_stack(root: Path, model: Path, dtype: str) -> Iterator[dict[str, Any]]:
     """A store, prefill (kv_producer), decode (kv_consumer) and plain vLLM servers, and
     the router in front of the first two: ``{"router": url, "model", "store", "prefill",
     "decode", "plain"}``."""
     (root / "store").mkdir(exist_ok=True)
-    store = ServerProcess(root / "store", base_flags(root / "store")).start()
-    servers: dict[str, ApiServer] = {}
-    router: subprocess.Popen[str] | None = None
-    try:
-        servers["prefill"] = ApiServer(
-            model, root, "prefill", _connector("kv_producer", store), dtype
-        )
-        servers["decode"] = ApiServer(
-            model, root, "decode", _connector("kv_consumer", store), dtype
-        )
-        servers["plain"] = ApiServer(model, root, "plain", None, dtype)
+    with contextlib.ExitStack() as stack:
+        store = ServerProcess(root / "store", base_flags(root / "store")).start()
+        stack.callback(store.stop)
+        servers: dict[str, ApiServer] = {}
+        for name, role in (("prefill", "kv_producer"), ("decode", "kv_consumer"), ("plain", "")):
+            kv = _connector(role, store) if role else None
+            servers[name] = ApiServer(model, root, name, kv, dtype)
+            stack.callback(servers[name].stop)
         for s in servers.values():
             s.wait_ready()
-        argv = [
-            sys.executable, "-m", "engine.serving.vllm_pools",
-            "--prefill", servers["prefill"].url, "--decode", servers["decode"].url,
-            "--model", str(model), "--dtype", dtype, "--block-size", str(BLOCK),
-            "--store", store.address, "--port", "0",
-        ]  # fmt: skip
-        with open(root / "router.log", "w") as log:
-            router = subprocess.Popen(
-                argv,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                text=True,
-                env={**os.environ, "KVSTORE_TOKEN": ALPHA.token},
-                cwd=ROOT,
-            )
-        assert router.stdout is not None
-        ready, _, _ = select.select([router.stdout], [], [], 60)
-        if not ready:
-            raise RuntimeError(f"router did not start: {(root / 'router.log').read_text()}")
-        url = json.loads(router.stdout.readline())["url"]
+        prefill, decode = [servers["prefill"].url], [servers["decode"].url]
+        url = stack.enter_context(vllm_router(root, model, dtype, store, prefill, decode))
         yield {"router": url, "model": str(model), "store": store, **servers}
-    finally:
-        if router is not None:
-            router.terminate()
-            router.wait(30)
-        for s in servers.values():
-            s.stop()
-        store.stop()

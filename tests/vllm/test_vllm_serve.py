@@ -7,6 +7,7 @@ Runs in .venv-vllm (``make test-vllm``)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,16 +18,27 @@ openai = pytest.importorskip("openai")
 
 from tests.support.server_process import ALPHA  # noqa: E402
 from tests.support.vllm_fixtures import BLOCK, write_tiny_llama  # noqa: E402
-from tests.support.vllm_serve import serve_stack  # noqa: E402
+from tests.support.vllm_serve import free_port, serve_stack, vllm_router  # noqa: E402
 
 pytestmark = pytest.mark.process
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}t5 {{ m['content'] }} t6 {% endfor %}"
+    "{% if add_generation_prompt %}t7{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     root = tmp_path_factory.mktemp("vllm-serve")
-    with serve_stack(root, write_tiny_llama(root / "tiny"), "float32") as s:
-        yield s
+    model = write_tiny_llama(root / "tiny")
+    # a chat template in the tiny tokenizer's words ("t<id>", split at spaces)
+    cfg_path = model / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = CHAT_TEMPLATE
+    cfg_path.write_text(json.dumps(cfg))
+    with serve_stack(root, model, "float32") as s:
+        yield {**s, "root": root}
 
 
 def _hits(c: Any) -> int:
@@ -76,3 +88,52 @@ def test_a_streamed_answer_through_the_router_is_the_plain_one(stack: dict[str, 
         ch.choices[0].text for ch in via.completions.create(stream=True, **args) if ch.choices
     )
     assert got == want
+
+
+def test_a_chat_through_the_router_is_the_plain_one_and_its_prefix_is_found(
+    stack: dict[str, Any],
+) -> None:
+    """The router applies the model's chat template as vLLM does: the answer is the
+    plain server's, and asked again the store holds every block of the prompt."""
+    via = openai.OpenAI(base_url=stack["router"] + "/v1", api_key="unused")
+    plain = openai.OpenAI(base_url=stack["plain"].url + "/v1", api_key="unused")
+    words = " ".join(f"t{t}" for t in _prompt(3, 2 * BLOCK + 7))
+    args = dict(
+        model=stack["model"],
+        messages=[{"role": "user", "content": words}],
+        max_tokens=8,
+        temperature=0.0,
+    )
+    answer = plain.chat.completions.create(**args)
+    want = answer.choices[0].message.content
+    assert answer.usage is not None
+    full = answer.usage.prompt_tokens // BLOCK  # vLLM's own count of the prompt
+    assert full >= 2
+    first = via.chat.completions.with_raw_response.create(**args)
+    assert first.parse().choices[0].message.content == want
+    assert first.headers["x-kvstore-cached-blocks"] == f"0/{full}"  # the router's count
+    again = via.chat.completions.with_raw_response.create(**args)
+    assert again.headers["x-kvstore-prefill"] == "skipped"
+    assert again.headers["x-kvstore-cached-blocks"] == f"{full}/{full}"
+    assert again.parse().choices[0].message.content == want
+
+
+def test_a_decode_server_that_cannot_be_reached_is_passed_over(stack: dict[str, Any]) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with vllm_router(
+        stack["root"],
+        stack["model"],
+        "float32",
+        stack["store"],
+        [stack["prefill"].url],
+        [dead, stack["decode"].url],
+        name="router-failover",
+    ) as url:
+        via = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+        plain = openai.OpenAI(base_url=stack["plain"].url + "/v1", api_key="unused")
+        args = dict(
+            model=stack["model"], prompt=_prompt(4, BLOCK + 3), max_tokens=6, temperature=0.0
+        )
+        raw = via.completions.with_raw_response.create(**args)
+        assert raw.headers["x-kvstore-decode"] == stack["decode"].url
+        assert raw.parse().choices[0].text == plain.completions.create(**args).choices[0].text
