@@ -79,7 +79,7 @@ class PoolsConfig:
     block_size: int = 16
     model_id: str = ""  # the connector's model_id ("" = the model as served)
     store: str = ""  # host:port of a store node for the cache check ("" = none)
-    token: str = field(default="", repr=False)
+    token: str = field(default="", repr=False)  # "": KVSTORE_TOKEN, as every client
     timeout_s: float = 600.0
 
 
@@ -139,8 +139,9 @@ class Pools:
             return 0, len(keys)
         try:
             if self._store is None:
+                # no token given: the client's config reads KVSTORE_TOKEN
                 self._store = StoreClient.connect(
-                    self.config.store, token=self.config.token, timeout_s=2.0
+                    self.config.store, token=self.config.token or None, timeout_s=2.0
                 )
             return self._store.match_prefix(keys), len(keys)
         except KVStoreError as exc:
@@ -338,7 +339,6 @@ def run(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             model_id=args.model_id,
             store=args.store,
-            token=os.environ.get("KVSTORE_TOKEN", ""),
         )
     )
     sock = socket.socket()
