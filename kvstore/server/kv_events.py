@@ -52,7 +52,8 @@ __all__ = ["MEDIUM", "KVEventsPublisher", "encode_batch"]
 
 log = logging.getLogger(__name__)
 
-MEDIUM = {TierKind.HBM: "GPU", TierKind.DRAM: "CPU", TierKind.SSD: "STORAGE"}
+# vLLM's medium of each tier, by the tier's name (the server names no device tier)
+MEDIUM = {"hbm": "GPU", "dram": "CPU", "ssd": "STORAGE"}
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
@@ -81,7 +82,7 @@ def to_vllm_events(events: Iterable[BlockEvent], block_size: int) -> list[dict[s
 
     def add(kind: str, key: bytes, tier: TierKind) -> None:
         nonlocal run
-        medium = MEDIUM[tier]
+        medium = MEDIUM[tier.value]
         if run == (kind, medium):
             out[-1]["block_hashes"].append(key)
             return
