@@ -36,6 +36,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route as HttpRoute
 
 from engine.scheduler import Refusal
+from engine.serving.http_server import bind, serve_app
 from engine.serving.loading import load_tokenizer
 from engine.serving.metrics import RouterMetrics
 from engine.serving.openai_api import APIError, GenRequest, chunk, completion, parse_request
@@ -504,29 +505,11 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 
 def run_router(args: argparse.Namespace) -> int:
     """Serve until SIGTERM / SIGINT; prints one JSON ready line with the URL."""
-    import uvicorn
-
-    from engine.serving.worker import _bind
-
     resolve_directory(args)
     router = Router(config_from_args(args))
-    sock = _bind(args.host, args.port)
+    sock = bind(args.host, args.port)
     url = f"http://{args.host}:{sock.getsockname()[1]}"
-    server = uvicorn.Server(
-        uvicorn.Config(
-            router.app(), log_level="warning", lifespan="on", timeout_graceful_shutdown=5
-        )
-    )
-
-    async def serve() -> None:
-        task = asyncio.create_task(server.serve(sockets=[sock]))
-        while not server.started and not task.done():
-            await asyncio.sleep(0.02)
-        if server.started:
-            print(json.dumps({"url": url, "pid": os.getpid(), "policy": args.policy}), flush=True)
-        await task
-
-    asyncio.run(serve())
+    serve_app(router.app(), sock, {"url": url, "pid": os.getpid(), "policy": args.policy})
     return 0
 
 

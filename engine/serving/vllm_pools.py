@@ -326,9 +326,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM / SIGINT; prints one JSON ready line with the URL."""
-    import socket
-
-    import uvicorn
+    from engine.serving.http_server import bind, serve_app
 
     pools = Pools(
         PoolsConfig(
@@ -341,21 +339,9 @@ def run(args: argparse.Namespace) -> int:
             store=args.store,
         )
     )
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
+    sock = bind(args.host, args.port)
     url = f"http://{args.host}:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(pools.app(), log_level="warning", lifespan="on"))
-
-    async def serve() -> None:
-        task = asyncio.create_task(server.serve(sockets=[sock]))
-        while not server.started and not task.done():
-            await asyncio.sleep(0.02)
-        if server.started:
-            print(json.dumps({"url": url, "pid": os.getpid()}), flush=True)
-        await task
-
-    asyncio.run(serve())
+    serve_app(pools.app(), sock, {"url": url, "pid": os.getpid()})
     return 0
 
 

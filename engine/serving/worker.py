@@ -22,14 +22,12 @@ JSON ready line on stdout, and revokes its lease on SIGTERM / SIGINT.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import dataclasses
 import json
 import logging
 import os
 import re
-import socket
 import sys
 import time
 import uuid
@@ -41,6 +39,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from engine.serving.http_server import bind, serve_app
 from engine.serving.registry import ROLES, WorkerRecord, WorkerRegistration, resolve_directory
 from engine.serving.runtime import Faults, WorkerEngine
 
@@ -212,15 +211,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inject-token-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(128)
-    sock.set_inheritable(True)
-    return sock
-
-
 def _node_on_this_host(cluster: Any, wait_s: float = 15.0) -> str:
     """``--store-node auto``: the store node whose host id (boot id) is this host's, so a
     worker scheduled beside a node (a Kubernetes pod on the same machine) finds it
@@ -282,7 +272,6 @@ def _store_clients(args: argparse.Namespace, namespace: Any) -> tuple[Any, Any, 
 def run_worker(args: argparse.Namespace) -> int:
     """Load the model, open the stores, serve until SIGTERM / SIGINT."""
     import torch
-    import uvicorn
 
     from engine.serving.loading import load_model
     from engine.serving.runtime import calibrate_prefill
@@ -305,7 +294,7 @@ def run_worker(args: argparse.Namespace) -> int:
     ns = engine.adapter.namespace
     engine.cluster, engine.local, engine.source_client = _store_clients(args, ns)
     engine.store_node = args.store_node
-    sock = _bind(args.host, args.port)
+    sock = bind(args.host, args.port)
     port = sock.getsockname()[1]
     host = args.advertise_host or args.host
     record = WorkerRecord(
@@ -317,27 +306,16 @@ def run_worker(args: argparse.Namespace) -> int:
     )  # fmt: skip
     reg = WorkerRegistration(args.etcd, args.cluster, ttl=args.lease_ttl_s)
     app = build_app(engine, record, reg)
-    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
-
-    async def serve() -> None:
-        task = asyncio.create_task(server.serve(sockets=[sock]))
-        while not server.started and not task.done():
-            await asyncio.sleep(0.02)
-        if server.started:
-            ready = {
-                "worker_id": wid,
-                "role": args.role,
-                "model": lm.name,
-                "address": record.address,
-                "pid": os.getpid(),
-                "store_node": args.store_node,
-            }
-            print(json.dumps(ready), flush=True)
-        await task
-
+    ready = {
+        "worker_id": wid,
+        "role": args.role,
+        "model": lm.name,
+        "address": record.address,
+        "pid": os.getpid(),
+        "store_node": args.store_node,
+    }
     try:
-        asyncio.run(serve())
+        serve_app(app, sock, ready)
     finally:
         engine.cluster.close()
     return 0
