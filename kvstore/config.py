@@ -273,6 +273,10 @@ class ServerConfig(EtcdAccess):
             (kvstore/wire/crowding.py). Off by default: a poller then spins on a CPU
             that its clients need. On where /proc/loadavg counts other containers'
             tasks and the polls are still wanted.
+        transport: ``tcp`` (the data socket carries payloads) or ``ucx``: the node also
+            offers UCX, and a data connection whose client asks moves its frames to a
+            UCX worker of its own (kvstore/wire/ucx.py; needs ucxx, the ``ucx`` extra).
+            Not with TLS: UCX payloads travel in the clear.
         workers: threads running blocking node calls for gRPC handlers.
         max_connections: concurrent data sockets.
         max_handshakes: data sockets at once that have not authenticated yet (a share of
@@ -325,6 +329,7 @@ class ServerConfig(EtcdAccess):
     put_floor_bytes: int = 1024**2
     data_poll_us: int = 100
     data_poll_crowded: bool = False
+    transport: str = "tcp"
     workers: int = 8
     max_connections: int = 256
     max_handshakes: int = 64
@@ -397,6 +402,10 @@ class ServerConfig(EtcdAccess):
             raise ConfigError(
                 f"data_poll_us: {self.data_poll_us} is not 0 (off) to 10000 microseconds"
             )
+        if self.transport not in ("tcp", "ucx"):
+            raise ConfigError(f"transport {self.transport!r}: choose tcp or ucx")
+        if self.transport == "ucx" and self.tls_cert:
+            raise ConfigError("transport ucx with TLS: UCX payloads would travel in the clear")
 
     @property
     def tls(self) -> bool:
@@ -415,7 +424,8 @@ class ClientConfig(EtcdAccess):
         retries: extra attempts after a retryable failure (``error.retryable``).
         backoff_s: first retry delay; doubles per attempt, with jitter.
         transport: ``auto`` (shared memory when the server is on this host and its
-            segment maps, else TCP), ``shm`` or ``tcp``.
+            segment maps; else UCX when the server offers it and ucxx imports here;
+            else TCP), ``shm``, ``tcp`` or ``ucx`` (kvstore/wire/ucx.py).
         tls: use TLS (system roots unless ``tls_ca``).
         tls_ca: PEM file of the CA (or self-signed cert) to trust; implies ``tls``.
         tls_server_name: name to check the server certificate against, when it differs
@@ -468,8 +478,8 @@ class ClientConfig(EtcdAccess):
     faults: str = ""
 
     def __post_init__(self) -> None:
-        if self.transport not in ("auto", "shm", "tcp"):
-            raise ConfigError(f"transport {self.transport!r}: choose auto, shm or tcp")
+        if self.transport not in ("auto", "shm", "tcp", "ucx"):
+            raise ConfigError(f"transport {self.transport!r}: choose auto, shm, tcp or ucx")
         if self.tls_ca and not os.path.isfile(self.tls_ca):
             raise ConfigError(f"tls_ca: no such file {self.tls_ca!r}")
         if self.retries < 0:

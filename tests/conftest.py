@@ -20,6 +20,12 @@ import pytest
 
 pytest_plugins = ["tests.support.server_fixtures", "tests.support.etcd_fixtures"]
 
+# UCX (kvstore/wire/ucx.py) moves test bytes over loopback only, in this process and in
+# every child that inherits its environment (tests across network namespaces name their
+# own device).
+os.environ["UCX_NET_DEVICES"] = "lo"
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
 # Fixtures whose setup starts processes, or which hand the test a factory that does.
 PROCESS_FIXTURES = frozenset(
     {

@@ -50,7 +50,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("version", "node_id", "tenant", "admin", "host_id", "hostname", "data_port", "shm_name", "shm_size", "lease_ttl_ms", "limits", "tiers", "instance_id", "draining", "unix_socket", "shm_index", "pid", "scope_key", "put_sums_follow")
+    __slots__ = ("version", "node_id", "tenant", "admin", "host_id", "hostname", "data_port", "shm_name", "shm_size", "lease_ttl_ms", "limits", "tiers", "instance_id", "draining", "unix_socket", "shm_index", "pid", "scope_key", "put_sums_follow", "ucx", "ucx_address", "ucx_tag")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,9 @@ class InfoResponse(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     SCOPE_KEY_FIELD_NUMBER: _ClassVar[int]
     PUT_SUMS_FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    UCX_FIELD_NUMBER: _ClassVar[int]
+    UCX_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    UCX_TAG_FIELD_NUMBER: _ClassVar[int]
     version: str
     node_id: str
     tenant: str
@@ -89,7 +92,10 @@ class InfoResponse(_message.Message):
     pid: int
     scope_key: bytes
     put_sums_follow: bool
-    def __init__(self, version: _Optional[str] = ..., node_id: _Optional[str] = ..., tenant: _Optional[str] = ..., admin: _Optional[bool] = ..., host_id: _Optional[str] = ..., hostname: _Optional[str] = ..., data_port: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_size: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., tiers: _Optional[_Iterable[str]] = ..., instance_id: _Optional[str] = ..., draining: _Optional[bool] = ..., unix_socket: _Optional[str] = ..., shm_index: _Optional[str] = ..., pid: _Optional[int] = ..., scope_key: _Optional[bytes] = ..., put_sums_follow: _Optional[bool] = ...) -> None: ...
+    ucx: bool
+    ucx_address: bytes
+    ucx_tag: int
+    def __init__(self, version: _Optional[str] = ..., node_id: _Optional[str] = ..., tenant: _Optional[str] = ..., admin: _Optional[bool] = ..., host_id: _Optional[str] = ..., hostname: _Optional[str] = ..., data_port: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_size: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., tiers: _Optional[_Iterable[str]] = ..., instance_id: _Optional[str] = ..., draining: _Optional[bool] = ..., unix_socket: _Optional[str] = ..., shm_index: _Optional[str] = ..., pid: _Optional[int] = ..., scope_key: _Optional[bytes] = ..., put_sums_follow: _Optional[bool] = ..., ucx: _Optional[bool] = ..., ucx_address: _Optional[bytes] = ..., ucx_tag: _Optional[int] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
@@ -422,13 +428,15 @@ class DrainResponse(_message.Message):
     def __init__(self, draining: _Optional[bool] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("token", "protocol", "pid", "host_id")
+    __slots__ = ("token", "protocol", "pid", "host_id", "ucx_address")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    UCX_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     token: str
     protocol: int
     pid: int
     host_id: str
-    def __init__(self, token: _Optional[str] = ..., protocol: _Optional[int] = ..., pid: _Optional[int] = ..., host_id: _Optional[str] = ...) -> None: ...
+    ucx_address: bytes
+    def __init__(self, token: _Optional[str] = ..., protocol: _Optional[int] = ..., pid: _Optional[int] = ..., host_id: _Optional[str] = ..., ucx_address: _Optional[bytes] = ...) -> None: ...

@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 TENANT_SEP = "@"
-PATHS = ("inproc", "shm", "tcp")
+PATHS = ("inproc", "shm", "tcp", "ucx")
 """Transport paths a request can take: in process, shared memory, data socket."""
 
 LATENCY_BUCKETS: tuple[float, ...] = (

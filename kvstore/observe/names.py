@@ -5,7 +5,7 @@ Kept apart from kvstore/observe/prometheus.py (the prometheus_client exporter) s
 so the whole contract between whoever counts and whoever exports is on one page.
 
 Counter-key contract (keys of :class:`kvstore.observe.counters.NodeCounters`; ``<tier>`` is
-``hbm``/``dram``/``ssd``, ``<path>`` one of ``inproc``/``shm``/``tcp``):
+``hbm``/``dram``/``ssd``, ``<path>`` one of ``inproc``/``shm``/``tcp``/``ucx``):
 
 =========================== ====================================================== =====
 key                         exported as                                            by
@@ -39,15 +39,16 @@ kvstore/node/store.py). The service (gateway, data server, maintenance) counts, 
   ``BlockRead.tier``), ``misses`` (namespace mismatches included), ``puts``, ``bytes_in``
   and ``bytes_<in|out>_<path>``: the node never sees tenants, only scoped keys;
 - latency: one ``counters.observe(op, path, seconds)`` (or ``with counters.time(...)``)
-  per get/put request, ``op`` in get/put, ``path`` in shm/tcp.
+  per get/put request, ``op`` in get/put, ``path`` in shm/tcp/ucx.
 
 As implemented (kvstore/server/gateway.py, dataserver.py; the gRPC control plane carries no
 payloads): ``tcp`` is a payload carried on the data socket (over TCP or the same-host
-Unix socket alike), ``shm`` an extent handed over under a lease (LEASE reads, RESERVE +
-COMMIT writes); a LEASE reply's blocks that are not in DRAM travel inline and count as
-``tcp``. Per-tenant hits count the tier the read found the block in (``BlockRead.hit``:
-an SSD hit is ``ssd`` even when promoted); per-tenant misses include namespace
-mismatches and unreadable SSD records, so a tenant's hits + misses are its lookups.
+Unix socket alike), ``ucx`` the same on a connection moved to UCX, ``shm`` an extent
+handed over under a lease (LEASE reads, RESERVE + COMMIT writes); a LEASE reply's blocks
+that are not in DRAM travel inline and count as ``tcp``. Per-tenant hits count the tier
+the read found the block in (``BlockRead.hit``: an SSD hit is ``ssd`` even when
+promoted); per-tenant misses include namespace mismatches and unreadable SSD records, so
+a tenant's hits + misses are its lookups.
 Latency: data-socket GET/PUT are (get|put, tcp), LEASE is (get, shm), COMMIT is (put,
 shm) (RESERVE is not timed); an observation includes sending the reply. Reads a
 same-host client serves itself from the published DRAM index (kvstore/shm/index.py)

@@ -18,6 +18,11 @@ receive returns, and this connection's thread aborts the reservation and closes:
 peer sending a byte a second holds space for seconds, not for the frame's whole
 ``io_timeout_s``, and never across items.
 
+A server with ``transport = "ucx"`` also offers UCX: a HELLO carrying a UCX worker
+address moves its connection's frames to a UCX worker of its own after INFO
+(kvstore/wire/ucx.py); the session then serves it exactly as a socket, and the socket
+stays open as the connection's lifeline. Its payloads count as path ``ucx``.
+
 HELLO also says which process the client runs in: while any client of this very process
 is connected, no connection polls for its next request (kvstore/wire/polling.py), since
 the poller would hold the GIL that client needs to send it.
@@ -46,7 +51,7 @@ from google.protobuf.message import DecodeError, Message
 from kvstore._proto import store_pb2 as pb
 from kvstore.blocks import ValueInfo, checksum, layer_span
 from kvstore.config import ServerConfig
-from kvstore.errors import InvalidValue, KVStoreError, TimeoutError_, Unavailable
+from kvstore.errors import ConfigError, InvalidValue, KVStoreError, TimeoutError_, Unavailable
 from kvstore.node.store import BlockRead
 from kvstore.server.auth import TokenTable
 from kvstore.server.gateway import Gateway, ReadItem, WriteItem
@@ -63,6 +68,8 @@ from kvstore.wire.frames import (
     socket_errors,
 )
 from kvstore.wire.polling import IdlePoller, same_process
+from kvstore.wire.ucx import UcxFrames, UcxWorker, new_tag
+from kvstore.wire.ucx import available as ucx_available
 
 __all__ = ["DataServer"]
 
@@ -70,7 +77,8 @@ log = logging.getLogger(__name__)
 
 _TIMED: dict[
     int, tuple[str, str]
-] = {  # op -> (latency op, path); RESERVE, RELEASE and metadata ops are not timed
+] = {  # op -> (latency op, path); RESERVE, RELEASE and metadata ops are not timed;
+    # "tcp" is the connection's own path (ucx once moved there)
     Op.GET: ("get", "tcp"),
     Op.LEASE: ("get", "shm"),
     Op.PUT: ("put", "tcp"),
@@ -131,6 +139,9 @@ class DataServer:
         self._in_process = 0  # open connections of clients in this process (under _lock)
         self._handshaking = 0  # connections before (or in) HELLO (under _lock)
         self.unix_name = ""
+        self.ucx = config.transport == "ucx"
+        if self.ucx and not ucx_available():
+            raise ConfigError("transport ucx: ucxx is not installed (pip install 'kvstore[ucx]')")
         self.poller = IdlePoller(
             config.data_poll_us / 1e6,
             gateway.counters,
@@ -222,7 +233,7 @@ class DataServer:
 
     def _run(self, sock: socket.socket) -> None:
         conn_id = next(self._ids)
-        fs: FrameSocket | None = None
+        fs: FrameSocket | UcxFrames | None = None
         try:
             if self.tls is not None and sock.family != socket.AF_UNIX:  # local: no wire
                 sock.settimeout(self.config.io_timeout_s)
@@ -242,7 +253,11 @@ class DataServer:
                 what = "data connections" if full else "connections not yet authenticated"
                 _send_error(fs, Unavailable(f"too many {what}; try again later"))
                 return
-            _Session(self, fs, conn_id).serve()
+            session = _Session(self, fs, conn_id)
+            try:
+                session.serve()
+            finally:
+                fs = session.fs  # the UCX frames, when the connection moved there
         except (KVStoreError, OSError) as exc:
             log.info("data connection %d closed: %s", conn_id, exc)
         except Exception:
@@ -257,7 +272,7 @@ class DataServer:
                 sock.close()
 
 
-def _send_error(fs: FrameSocket, exc: KVStoreError) -> None:
+def _send_error(fs: FrameSocket | UcxFrames, exc: KVStoreError) -> None:
     with contextlib.suppress(KVStoreError):
         fs.send(Op.ERROR, status_of(exc).SerializeToString())
 
@@ -268,11 +283,12 @@ class _Session:
     def __init__(self, server: DataServer, fs: FrameSocket, conn_id: int) -> None:
         self.server = server
         self.gw = server.gateway
-        self.fs = fs
+        self.fs: FrameSocket | UcxFrames = fs
         self.id = conn_id
         self.p: Principal | None = None
         self.in_process = False  # the client runs in this process (counted on the server)
         self.copying_s = 0.0  # how long the client needs before its next request (RESERVE)
+        self.path = "tcp"  # where this connection's payloads travel: tcp, or ucx once moved
         self.handlers: dict[int, Callable[[bytes, int], Message | None]] = {
             Op.GET: self.get,
             Op.LEASE: self.lease,
@@ -299,6 +315,7 @@ class _Session:
         finally:
             if self.in_process:
                 self.server._count_in_process(-1)
+            self.handlers.clear()  # its bound methods hold this session in a cycle
 
     def _serve(self) -> None:
         try:
@@ -352,7 +369,35 @@ class _Session:
         if same_process(hello.host_id, hello.pid):
             self.in_process = True  # no connection polls until this one ends
             self.server._count_in_process(1)
-        self.fs.send(Op.INFO, self.server.info(self.p).SerializeToString())
+        info = self.server.info(self.p)
+        link = self._ucx_link(hello.ucx_address) if hello.ucx_address else None
+        if link is not None:
+            info.ucx_address, info.ucx_tag = link.address, new_tag()
+        try:
+            self.fs.send(Op.INFO, info.SerializeToString())
+        except BaseException:
+            if link is not None:
+                link.close()
+            raise
+        if link is not None:  # from here on the frames travel over UCX
+            self.fs = UcxFrames(link, info.ucx_tag, self.fs.sock, max_meta=self.fs.max_meta)
+            self.fs.frame_timeout = self.server.config.io_timeout_s
+            self.fs.set_timeout(self.server.config.io_timeout_s)
+            self.path = "ucx"
+
+    def _ucx_link(self, peer: bytes) -> UcxWorker | None:
+        """A UCX worker and endpoint for this connection, when this server offers UCX
+        (None: the client stays on its socket; INFO says so by leaving the address
+        empty)."""
+        if not self.server.ucx:
+            return None
+        try:
+            link = UcxWorker()
+            link.connect(peer)
+        except KVStoreError as exc:
+            log.warning("data connection %d: no UCX (%s); it stays on its socket", self.id, exc)
+            return None
+        return link
 
     def dispatch(self, op: int, meta: bytes, body_len: int) -> None:
         handler = self.handlers.get(op)
@@ -369,7 +414,8 @@ class _Session:
         try:
             self._handle(handler, op, meta, body_len)
         finally:
-            self.gw.counters.observe(timed[0], timed[1], time.perf_counter() - t0)
+            path = self.path if timed[1] == "tcp" else timed[1]
+            self.gw.counters.observe(timed[0], path, time.perf_counter() - t0)
 
     def _handle(
         self, handler: Callable[[bytes, int], Message | None], op: int, meta: bytes, body_len: int
@@ -391,7 +437,10 @@ class _Session:
     def get(self, meta: bytes, body_len: int) -> None:
         req = _parse(pb.GetRequest, meta)
         layers = _layers(req)
-        with self.gw.read(self.principal, req.scope.model, req.scope.layout, req.keys) as batch:
+        scope = req.scope
+        with self.gw.read(
+            self.principal, scope.model, scope.layout, req.keys, path=self.path
+        ) as batch:
             resp = pb.GetResponse()
             parts = [self._describe(r, resp.blocks.add(), layers) for r in batch.items]
             body = [mv for mv in parts if mv is not None]
@@ -493,7 +542,10 @@ class _Session:
             return _SUM.unpack(self.fs.recv_bytes(trailer))[0] if trailer else None
 
         try:
-            results = self.gw.write(self.principal, req.scope.model, req.scope.layout, items, fill)
+            scope = req.scope
+            results = self.gw.write(
+                self.principal, scope.model, scope.layout, items, fill, path=self.path
+            )
         except KVStoreError:
             if not received and not self.fs.broken:
                 self._skip_body(body_len)  # refused whole: the stream stays in step

@@ -198,6 +198,7 @@ class StoreServer:
             unix_socket=self._data.unix_name if self._data is not None else "",
             pid=os.getpid(),
             put_sums_follow=True,
+            ucx=self._data is not None and self._data.ucx,
         )
 
     async def stop(self, grace: float = 1.0) -> None:
@@ -308,6 +309,7 @@ _SERVER_FLAGS = {
     "put_grace_s": "a put's payload may take this long plus nbytes / put_floor_bytes (5)",
     "put_floor_bytes": "slowest payload rate a put keeps its reservation at, per second (1MiB)",
     "data_poll_us": "poll this long for a lone client's next request (default 100; 0: off)",
+    "transport": "tcp, or ucx: also offer UCX to clients that ask (needs ucxx)",
     "workers": "threads for blocking node calls",
     "max_connections": "concurrent data sockets (default 256)",
     "max_handshakes": "data sockets not yet authenticated, at once (default 64)",

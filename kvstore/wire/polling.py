@@ -42,11 +42,15 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kvstore.observe.counters import NodeCounters
 from kvstore.wire.crowding import CROWDING
 from kvstore.wire.frames import FrameSocket
 from kvstore.wire.locality import host_id
+
+if TYPE_CHECKING:
+    from kvstore.wire.ucx import UcxFrames
 
 __all__ = ["IdlePoller", "same_process"]
 
@@ -123,7 +127,7 @@ class IdlePoller:
         """Whether a connection is polling right now (holds the one slot)."""
         return self._slot.locked()
 
-    def wait(self, fs: FrameSocket, conn_id: int, extra_s: float = 0.0) -> bool:
+    def wait(self, fs: FrameSocket | UcxFrames, conn_id: int, extra_s: float = 0.0) -> bool:
         """Poll ``fs`` for the next request for at most the window plus ``extra_s`` (the
         time the client is known to need first: copying a reserved extent); True if
         bytes have arrived (they are buffered in ``fs``). False when polling is not

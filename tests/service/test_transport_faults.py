@@ -29,6 +29,7 @@ from kvstore.client.transport.shm import Segment, ShmTransport
 from kvstore.errors import KVStoreError
 from kvstore.observe.counters import NodeCounters
 from kvstore.wire.frames import HEADER, MAGIC, PROTOCOL, REPLY, FrameSocket, Op
+from kvstore.wire.ucx import available as ucx_available
 from tests.support.server_process import ALPHA, ServerProcess
 from tests.support.waiting import wait_until
 
@@ -314,7 +315,7 @@ def test_a_reader_on_another_clock_falls_back_to_checksums() -> None:
     assert transport.counters.get("corrupt_transfers") == 1
 
 
-@pytest.mark.parametrize("transport", ["tcp", "shm"])
+@pytest.mark.parametrize("transport", ["tcp", "shm", *(("ucx",) if ucx_available() else ())])
 def test_a_server_that_stalls_and_resumes_never_mixes_up_answers(
     server_factory: Any, transport: str
 ) -> None:
@@ -322,7 +323,7 @@ def test_a_server_that_stalls_and_resumes_never_mixes_up_answers(
     work: calls that outlive their deadline fail, and no call ever returns the answer
     to another request (a reply left behind by a timed-out call would be read as the
     next call's). Bounded: 3 s of load."""
-    server: ServerProcess = server_factory()
+    server: ServerProcess = server_factory(transport="ucx" if transport == "ucx" else None)
     proc = server.proc
     assert proc is not None
     keys = [f"stall-{i:03d}".encode().ljust(16, b".") for i in range(120)]

@@ -1,4 +1,5 @@
-"""Both data paths against a real server: shared memory (same host) and TCP.
+"""The data paths against a real server: shared memory (same host), TCP and, where ucxx
+is installed, UCX (the server offers it: ``--transport ucx``).
 
 Every test runs once per transport; values are torch bf16 tensors, numpy arrays and
 bytes, single and batched, and every byte read back is compared with what was written.
@@ -20,7 +21,8 @@ from kvstore import Namespace, StoreClient, prefix_keys
 from kvstore._proto import store_pb2 as pb
 from kvstore.client.admin import AdminClient
 from kvstore.errors import InvalidValue, LayoutMismatch
-from tests.support.server_process import ADMIN, ALPHA, ServerProcess
+from kvstore.wire.ucx import available as ucx_available
+from tests.support.server_process import ADMIN, ALPHA, ServerProcess, base_flags
 from tests.support.waiting import wait_until
 
 NS = Namespace("tiny-llama", "bf16:L2:H2:D8", tenant="ignored-by-the-server")
@@ -39,7 +41,24 @@ def kv_block(seed: int, head_dim: int = 8) -> torch.Tensor:
     return torch.randn(2, 2, 2, 4, head_dim, generator=g).to(torch.bfloat16)
 
 
-@pytest.fixture(scope="module", params=["shm", "tcp"])
+TRANSPORTS = ("shm", "tcp", "ucx") if ucx_available() else ("shm", "tcp")
+
+
+@pytest.fixture(scope="module")
+def store_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """tests/support/server_fixtures.py's shared server, offering UCX where it can."""
+    workdir = tmp_path_factory.mktemp("server")
+    flags = base_flags(workdir)
+    if "ucx" in TRANSPORTS:
+        flags["transport"] = "ucx"
+    server = ServerProcess(workdir, flags).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
 def client(request: pytest.FixtureRequest, store_server: ServerProcess) -> Iterator[StoreClient]:
     with store_server.client(ALPHA, transport=request.param, namespace=NS) as c:
         yield c
@@ -65,7 +84,7 @@ def test_torch_bf16_put_get_get_into(client: StoreClient) -> None:
 
 @pytest.mark.parametrize("kind", ["numpy", "bytes"])
 def test_other_value_kinds(store_server: ServerProcess, kind: str) -> None:
-    for transport in ("shm", "tcp"):
+    for transport in TRANSPORTS:
         with store_server.client(ALPHA, transport=transport) as c:  # no namespace: any shape
             (k,) = fresh_keys(1)
             value: object

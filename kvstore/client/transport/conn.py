@@ -7,6 +7,10 @@ id, shared-memory segment and instance id decide which transport this connection
 (see pool.py), its host id and pid whether it polls for replies. Requests and
 replies alternate; a request-level failure comes back as an ERROR frame holding the
 stable error code and is raised as that exact class, with the connection still usable.
+
+Asked for UCX (``ucx=True``), HELLO also carries this connection's UCX worker address;
+when INFO answers with the server's, the frames move to UCX (kvstore/wire/ucx.py) and
+everything above them stays the same.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from kvstore.wire.frames import (
 )
 from kvstore.wire.locality import host_id
 from kvstore.wire.polling import same_process
+from kvstore.wire.ucx import UcxFrames, UcxWorker
 
 __all__ = ["DataConn"]
 
@@ -45,7 +50,7 @@ M = TypeVar("M", bound=Message)
 class DataConn:
     """One authenticated data socket. Not thread-safe: the pool lends it to one caller."""
 
-    def __init__(self, fs: FrameSocket, info: pb.InfoResponse) -> None:
+    def __init__(self, fs: FrameSocket | UcxFrames, info: pb.InfoResponse) -> None:
         self.fs = fs
         self.info = info
         self.pending: list[int] = []  # read leases to hand back (see defer_release)
@@ -84,9 +89,12 @@ class DataConn:
         tls: ssl.SSLContext | None = None,
         server_name: str | None = None,
         max_meta: int = 64 << 20,
+        ucx: bool = False,
     ) -> DataConn:
         """Connect to ``(host, port)`` or an abstract Unix socket name, handshake and
-        authenticate; raises AuthError for a refused token. TLS applies to TCP only."""
+        authenticate; raises AuthError for a refused token. TLS applies to TCP only.
+        With ``ucx`` the connection asks to move to UCX; ``transport_name`` says where
+        it ended up (a server that declines leaves it on the socket)."""
         left = max(deadline - time.monotonic(), 0.001)
         where = target if isinstance(target, str) else f"{target[0]}:{target[1]}"
         with socket_errors(f"data socket {where}"):
@@ -107,15 +115,32 @@ class DataConn:
                     sock.close()
                     raise
         fs = FrameSocket(sock, max_meta=max_meta)
+        link: UcxWorker | None = None
         try:
             fs.set_deadline(deadline)
             hello = pb.Hello(token=token, protocol=PROTOCOL, pid=os.getpid(), host_id=host_id())
+            if ucx:
+                link = UcxWorker()
+                hello.ucx_address = link.address
             fs.send(Op.HELLO, hello.SerializeToString())
             info = cls._reply(fs, Op.INFO, pb.InfoResponse)[0]
+            if link is not None and info.ucx_address:
+                link.connect(info.ucx_address)
+                moved = UcxFrames(link, info.ucx_tag, fs.sock, max_meta=max_meta)
+                return cls(moved, info)
         except BaseException:
+            if link is not None:
+                link.close()
             fs.close()
             raise
+        if link is not None:
+            link.close()
         return cls(fs, info)
+
+    @property
+    def on_ucx(self) -> bool:
+        """Whether this connection's frames travel over UCX."""
+        return isinstance(self.fs, UcxFrames)
 
     @property
     def usable(self) -> bool:
@@ -249,7 +274,7 @@ class DataConn:
         return out
 
     @staticmethod
-    def _reply(fs: FrameSocket, want: int, reply: type[M]) -> tuple[M, int]:
+    def _reply(fs: FrameSocket | UcxFrames, want: int, reply: type[M]) -> tuple[M, int]:
         try:
             op, meta_len, body_len = fs.recv_header()
         except EOFError:
@@ -280,7 +305,7 @@ class DataConn:
         self.fs.close()
 
 
-def _decode(fs: FrameSocket, cls: type[M], meta: bytes) -> M:
+def _decode(fs: FrameSocket | UcxFrames, cls: type[M], meta: bytes) -> M:
     msg = cls()
     try:
         msg.ParseFromString(meta)

@@ -7,6 +7,8 @@ server's HELLO reply, so a server restart (new instance id, new segment) is pick
 by the next connection without any client-wide state to reset:
 
 - ``shm`` when the server's host id is this kernel's boot id and its segment maps here;
+- ``ucx`` when configured, or for ``auto`` when the server is on another host, offers
+  UCX and ucxx imports here: the connection moves to UCX at its handshake;
 - ``tcp`` otherwise (or when configured), the fallback for ``auto`` when mapping fails.
 """
 
@@ -26,6 +28,7 @@ from kvstore.client.transport.conn import DataConn
 from kvstore.client.transport.shm import Segment, ShmTransport
 from kvstore.client.transport.shm_direct import DirectReader
 from kvstore.client.transport.tcp import SocketTransport, TcpTransport
+from kvstore.client.transport.ucx import UcxTransport
 from kvstore.config import ClientConfig
 from kvstore.errors import (
     KVStoreError,
@@ -39,6 +42,7 @@ from kvstore.shm.index import IndexReader, reader_supported
 from kvstore.wire.crowding import CROWDING
 from kvstore.wire.frames import Op
 from kvstore.wire.locality import host_id
+from kvstore.wire.ucx import available as ucx_available
 
 __all__ = ["ConnPool"]
 
@@ -86,6 +90,7 @@ class ConnPool(Links):
         self._waiters = 0  # callers waiting for a connection slot
         self._server = server  # where the data sockets are (None: ask with locate)
         self._tcp = TcpTransport(counters)
+        self._ucx = UcxTransport(counters)
         self._reply_slot = threading.Lock()  # one thread of this pool polls for a reply
         self._closed = False
         self.last_transport = ""
@@ -223,7 +228,11 @@ class ConnPool(Links):
     def _dial(self, server: pb.InfoResponse, deadline: float) -> DataConn:
         """Same host: the Unix data socket when offered (no TCP cost); else TCP."""
         c = self.config
-        kw: dict = {"deadline": deadline, "max_meta": c.max_reply_bytes}
+        kw: dict = {
+            "deadline": deadline,
+            "max_meta": c.max_reply_bytes,
+            "ucx": self._ucx_for(server),
+        }
         if c.transport != "tcp" and server.unix_socket and self._same_host(server):
             try:
                 return DataConn.open(server.unix_socket, c.token, **kw)
@@ -245,8 +254,25 @@ class ConnPool(Links):
     def _same_host(info: pb.InfoResponse) -> bool:
         return bool(info.host_id) and info.host_id == host_id()
 
+    def _ucx_for(self, server: pb.InfoResponse) -> bool:
+        """Whether a new connection asks to move to UCX."""
+        want = self.config.transport
+        if want == "ucx":
+            return True
+        return want == "auto" and server.ucx and not self._same_host(server) and ucx_available()
+
     def _pick(self, conn: DataConn) -> SocketTransport:
         info, want = conn.info, self.config.transport
+        if conn.on_ucx:
+            return self._ucx
+        if want == "ucx":
+            why = (
+                "declined UCX for this connection (no UCX transport with peer-failure "
+                "handling reaches it: see its log)"
+                if info.ucx
+                else "offers no UCX (kvstore serve --transport ucx)"
+            )
+            raise Unavailable(f"transport=ucx but the server {why}")
         if want == "tcp":
             return self._tcp
         if self._same_host(info) and info.shm_name:

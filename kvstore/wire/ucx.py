@@ -1,0 +1,486 @@
+"""UCX links: data-socket frames carried by ucxx tag messages, one worker per connection.
+
+A UCX connection starts as an ordinary data socket (TCP or the same-host Unix socket).
+HELLO carries the client's UCX worker address; a server that offers UCX makes a worker
+for this connection, an endpoint to the client's worker and a random 64-bit tag, and
+answers INFO with its own worker address and that tag. From then on both ends speak the
+same frames as before (kvstore/wire/frames.py), over UCX:
+
+- a frame's header and metadata (with any frames queued ahead of it) go as one tag
+  message, each payload part as one more, sent from where it lies (UCX registers it;
+  over rendezvous the receiver pulls it straight into its destination);
+- a receiver probes for the next message of the connection's tag and, when the message
+  fits what it is reading, receives it straight into the destination (the caller's
+  tensor, a reserved slab extent); anything else lands in a small buffer first. Payloads
+  are still checked against their xxh3 as on TCP.
+
+Why worker-address endpoints rather than a UCX listener: an endpoint a listener accepts
+belongs to the listener's worker (one for all connections, not thread-safe).
+
+Peer failures. Endpoints always use UCX's peer-failure handling. Without it a transport
+error is fatal to the process (cma's ``process_vm_readv`` on a client that died
+mid-transfer aborted the server in a test), and an endpoint cannot be closed without the
+peer's help: UCX flushes it first, so closing one whose peer is gone or idle never
+finishes, and the worker leaks or the closing thread spins. With it, a close is forced
+and immediate. The price: no shared-memory transport (posix, sysv, cma) offers it, so
+UCX between two processes of one host runs over tcp. Same-host clients use the shm
+transport (kvstore/client/transport/shm.py) anyway, which copies once; UCX is for
+other hosts, where the RDMA and tcp transports support peer-failure handling. A server
+whose UCX_TLS leaves no such transport declines UCX and the connection stays on its
+socket.
+
+What the socket still does. It authenticated the connection (and the tag travels on
+it, so a third party that reaches the worker's port cannot speak on it), and it stays
+open as the connection's lifeline: both ends wait for UCX events and for the socket at
+once, so a peer that dies or closes is noticed at once on any transport, without UCX
+error handling. The lease reaper ends a stalled put by shutting that socket down, as on
+TCP. Payloads over UCX travel in the clear, so a server with TLS never offers UCX.
+
+Waiting is UCX's blocking progress mode: progress, probe, spin a few rounds, then arm
+the worker and sleep in poll() on its event descriptor and the socket.
+
+Settings (unless the environment says otherwise): ``UCX_RNDV_FRAG_MEM_TYPE=host`` (no
+GPU: rendezvous fragments in host memory) and 256 KiB tcp segments. Tests set
+``UCX_NET_DEVICES=lo``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import secrets
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvstore.errors import KVStoreError, TimeoutError_, TransportError
+from kvstore.wire.frames import HEADER, MAGIC, ProtocolError
+
+__all__ = ["UcxFrames", "UcxWorker", "available", "new_tag"]
+
+log = logging.getLogger(__name__)
+
+_SPINS = 64  # progress rounds (~1-2 us each) before arming the worker and sleeping
+_POLL_IN = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP
+# Defaults unless the environment sets them: rendezvous fragments in host memory (no
+# GPU), and 256 KiB tcp segments (UCX's 8 KiB default moved 1 MiB at 0.8 GB/s on
+# loopback, 256 KiB at 1.7: benchmarks/bench_ucx.py).
+_DEFAULTS = {
+    "RNDV_FRAG_MEM_TYPE": "host",
+    "TCP_TX_SEG_SIZE": "256k",
+    "TCP_RX_SEG_SIZE": "256k",
+}
+
+_lib: Any = None
+_arr: Any = None
+_context: Any = None
+_context_lock = threading.Lock()
+
+
+def available() -> bool:
+    """Whether ucxx imports here (the ``ucx`` extra)."""
+    global _lib, _arr
+    if _lib is not None:
+        return True
+    try:
+        import ucxx._lib.arr as arr
+        import ucxx._lib.libucxx as lib
+    except Exception:
+        return False
+    _lib, _arr = lib, arr
+    return True
+
+
+def _ctx() -> Any:
+    """The process's UCX context (made once; UCX reads its UCX_* settings here)."""
+    global _context
+    with _context_lock:
+        if _context is None:
+            if not available():
+                raise TransportError("UCX: ucxx is not installed (pip install 'kvstore[ucx]')")
+            # ucxx sets UCX_MEMTYPE_CACHE itself, which UCX then warns about at every start
+            os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+            config = {k: v for k, v in _DEFAULTS.items() if f"UCX_{k}" not in os.environ}
+            flags = (_lib.Feature.TAG, _lib.Feature.WAKEUP)
+            _context = _lib.UCXContext(config_dict=config, feature_flags=flags)
+        return _context
+
+
+def new_tag() -> int:
+    """A connection's tag: random, so only the authenticated peer that was told it can
+    send frames this connection accepts."""
+    return secrets.randbits(64)
+
+
+class _PeerClosed(TransportError):
+    """The lifeline socket closed: the peer is gone (or cut this connection)."""
+
+
+def _ucx_error(exc: BaseException, what: str) -> KVStoreError:
+    if isinstance(exc, KVStoreError):
+        return exc
+    return TransportError(f"UCX {what}: {exc}")
+
+
+class UcxWorker:
+    """One connection's UCX worker, in blocking progress mode, and its endpoint to the
+    peer. Not thread-safe: the connection it serves is used by one thread at a time."""
+
+    def __init__(self) -> None:
+        ctx = _ctx()
+        try:
+            self.worker = _lib.UCXWorker(ctx)
+            self.worker.init_blocking_progress_mode()
+        except Exception as exc:
+            raise _ucx_error(exc, "worker") from exc
+        self.fd = int(self.worker.epoll_file_descriptor)
+        self.ep: Any = None
+
+    @property
+    def address(self) -> bytes:
+        """This worker's address, for the peer's endpoint."""
+        return bytes(self.worker.address.tobytes())
+
+    def connect(self, peer: bytes) -> None:
+        """An endpoint to the peer's worker, with peer-failure handling (see the
+        module)."""
+        try:
+            addr = _lib.UCXAddress.create_from_buffer(peer)
+            self.ep = _lib.UCXEndpoint.create_from_worker_address(self.worker, addr, True)
+        except Exception as exc:
+            raise _ucx_error(exc, "endpoint") from exc
+
+    def close(self) -> None:
+        """Cancel what is in flight, close the endpoint and let the worker go
+        (idempotent): its descriptors and shared-memory fifo are freed now, not when
+        whatever still refers to this object is collected."""
+        worker, self.worker = self.worker, None
+        if worker is None:
+            return
+        with contextlib.suppress(Exception):
+            worker.cancel_inflight_requests()
+        ep, self.ep = self.ep, None
+        if ep is not None:
+            with contextlib.suppress(Exception):
+                ep.close_blocking()  # forced (peer-failure handling): returns at once
+        del ep, worker
+
+
+class UcxFrames:
+    """Frames over one UCX connection, with the surface of FrameSocket (frames.py), so
+    the client's DataConn and the server's session use either unchanged.
+
+    ``sock`` is the connection's socket, kept as its lifeline (see the module).
+    """
+
+    tls = False
+
+    def __init__(self, link: UcxWorker, tag: int, sock: socket.socket, *, max_meta: int) -> None:
+        self.link = link
+        self.tag = tag
+        self.sock = sock
+        self.max_meta = max_meta
+        self.frame_timeout: float | None = None
+        self._frame_until = 0.0
+        self._timeout: float | None = None
+        self.closed = False
+        self.broken = False
+        self._buf = b""  # received bytes not yet consumed are _buf[_r:]
+        self._r = 0
+        self._next: Any = None  # a probed message not yet received
+        self._poll = select.poll()
+        self._poll.register(link.fd, select.POLLIN)
+        self._poll.register(sock.fileno(), _POLL_IN)
+        self._tag = _lib.UCXXTag(tag)
+        self._mask = _lib.UCXXTagMaskFull
+
+    @property
+    def _w(self) -> Any:
+        """The connection's worker (TransportError once closed)."""
+        w = self.link.worker
+        if w is None:
+            self.broken = True
+            raise TransportError("UCX: the connection is closed")
+        return w
+
+    # -- timeouts ------------------------------------------------------------------------
+
+    def set_timeout(self, seconds: float | None) -> None:
+        """Bound every following send and receive (None: wait forever)."""
+        self._timeout = None if seconds is None else max(seconds, 0.001)
+
+    def set_deadline(self, deadline: float | None) -> None:
+        """:meth:`set_timeout` to what remains until ``deadline`` (time.monotonic)."""
+        if deadline is None:
+            self._timeout = None
+            return
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError_("deadline passed before the UCX request")
+        self._timeout = left
+
+    def _until(self) -> float:
+        return math.inf if self._timeout is None else time.monotonic() + self._timeout
+
+    # -- waiting -------------------------------------------------------------------------
+
+    def _sleep(self, until: float, idle: bool, nap: bool = True) -> None:
+        """Sleep until a UCX event, the socket stirs, or ``until`` (``nap`` False: only
+        look); raise when the lifeline socket closed or failed, or time ran out (not
+        while ``idle``)."""
+        now = time.monotonic()
+        if now >= until and not idle:
+            raise TimeoutError_("UCX: the peer stalled")
+        wait_ms = -1 if until == math.inf else max(int((until - now) * 1000) + 1, 1)
+        if idle:
+            wait_ms = 1000 if wait_ms < 0 else min(wait_ms, 1000)
+        for fd, _ev in self._poll.poll(wait_ms if nap else 0):
+            if fd == self.sock.fileno():
+                self._check_socket()
+        if self.frame_timeout is not None and self._frame_until and not idle:
+            self._check_frame_time()
+
+    def _check_socket(self) -> None:
+        try:
+            data = self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            raise TransportError(f"UCX: the connection's socket failed: {exc}") from None
+        if not data:
+            raise _PeerClosed("UCX: the peer closed the connection")
+        raise ProtocolError("UCX: unexpected bytes on the connection's socket")
+
+    def _progress_until(self, done: Callable[[], bool], until: float, idle: bool = False) -> None:
+        w = self._w
+        spins = 0
+        while True:
+            w.progress()
+            if done():
+                return
+            spins += 1
+            if spins < _SPINS:
+                continue
+            if w.arm():
+                self._sleep(until, idle)
+            elif not spins % _SPINS:  # busy (events keep coming): still watch the socket
+                self._sleep(until, idle, nap=False)
+
+    def _wait_all(self, reqs: list[Any], what: str) -> None:
+        until = self._until()
+        try:
+            self._progress_until(lambda: all(r.completed for r in reqs), until)
+            for r in reqs:
+                r.check_error()
+        except BaseException as exc:
+            # Nothing may go on writing into (or reading from) the caller's buffer once
+            # this call has failed: cancel what is in flight before saying so.
+            self.broken = True
+            with contextlib.suppress(Exception):
+                self._w.cancel_inflight_requests()
+                self._w.progress()
+            if isinstance(exc, KVStoreError):
+                raise
+            if isinstance(exc, Exception):
+                raise _ucx_error(exc, what) from exc
+            raise
+
+    # -- sending -------------------------------------------------------------------------
+
+    def _post(self, parts: Sequence[Any]) -> list[Any]:
+        ep = self.link.ep
+        if ep is None or self.closed:
+            self.broken = True
+            raise TransportError("UCX: the connection is closed")
+        reqs = []
+        for part in parts:
+            mv = memoryview(part).cast("B")
+            if mv.nbytes:
+                reqs.append(ep.tag_send(_arr.Array(mv), self._tag))
+        return reqs
+
+    def send(
+        self,
+        op: int,
+        meta: bytes = b"",
+        body: Sequence[Any] = (),
+        body_len: int = 0,
+        *,
+        before: bytes = b"",
+    ) -> None:
+        """Send one frame (header and metadata in one message, each body part in one
+        more, from where it lies); returns once the peer has it all, so the caller may
+        reuse the buffers."""
+        head = before + HEADER.pack(MAGIC, op, 0, len(meta), body_len) + meta
+        self._send([head, *body])
+
+    def send_more(self, parts: Sequence[Any]) -> None:
+        """More body bytes of the frame :meth:`send` started."""
+        self._send(parts)
+
+    def send_raw(self, data: bytes) -> None:
+        """Send whole frames prepared with frames.frame."""
+        self._send([data])
+
+    def _send(self, parts: Sequence[Any]) -> None:
+        try:
+            reqs = self._post(parts)
+        except KVStoreError:
+            self.broken = True
+            raise
+        except Exception as exc:
+            self.broken = True
+            raise _ucx_error(exc, "send") from exc
+        self._wait_all(reqs, "send")
+
+    # -- receiving -----------------------------------------------------------------------
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received (or probed) and not yet consumed."""
+        return len(self._buf) - self._r + (self._next.length if self._next is not None else 0)
+
+    def _probe(self, until: float, idle: bool = False) -> Any:
+        """The next message of this connection (probed and taken off UCX's queue)."""
+        if self._next is not None:
+            found, self._next = self._next, None
+            return found
+        w, tag, mask = self._w, self._tag, self._mask
+        box: list[Any] = []
+
+        def arrived() -> bool:
+            r = w.tag_probe(tag, mask, True)
+            if r.matched:
+                box.append(r)
+                return True
+            return False
+
+        self._progress_until(arrived, until, idle)
+        return box[0]
+
+    def _take(self, view: memoryview, until: float, idle: bool = False) -> int:
+        """Fill ``view`` from buffered bytes or with the next message; returns how many
+        bytes landed. A message that fits lands straight in ``view``."""
+        if self._r < len(self._buf):
+            k = min(len(self._buf) - self._r, view.nbytes)
+            view[:k] = self._buf[self._r : self._r + k]
+            self._r += k
+            return k
+        msg = self._probe(until, idle)
+        n = int(msg.length)
+        if n <= view.nbytes:
+            self._recv_msg(view[:n], msg)
+            return n
+        spill = bytearray(n)
+        self._recv_msg(memoryview(spill), msg)
+        self._buf, self._r = bytes(spill), view.nbytes
+        view[:] = self._buf[: view.nbytes]
+        return view.nbytes
+
+    def _recv_msg(self, view: memoryview, msg: Any) -> None:
+        if not view.nbytes:
+            return
+        try:
+            req = self._w.tag_recv_with_handle(_arr.Array(view), msg)
+        except Exception as exc:
+            self.broken = True
+            raise _ucx_error(exc, "receive") from exc
+        self._wait_all([req], "receive")
+
+    def poll_next(self, keep_going: Callable[[], bool]) -> bool:
+        """Poll, without sleeping, for the next message while ``keep_going()`` holds;
+        True once one is here (FrameSocket.poll_next)."""
+        if self.buffered:
+            return True
+        w, tag, mask = self._w, self._tag, self._mask
+        try:
+            while keep_going():
+                w.progress()
+                r = w.tag_probe(tag, mask, True)
+                if r.matched:
+                    self._next = r
+                    return True
+        except Exception:
+            return True
+        return False
+
+    def _read(self, view: memoryview, idle: bool = False, header: bool = False) -> None:
+        until = self._until()
+        got, n = 0, view.nbytes
+        try:
+            while got < n:
+                try:
+                    got += self._take(view[got:], until, idle and not got)
+                except _PeerClosed:
+                    if header and not got and not self._r < len(self._buf):
+                        raise EOFError("peer closed the connection") from None
+                    raise
+                if self.frame_timeout is not None and got < n:
+                    self._check_frame_time()
+        except KVStoreError:
+            self.broken = True
+            raise
+
+    def recv_header(self, *, idle: bool = False) -> tuple[int, int, int]:
+        """Read a frame header: (op, meta_len, body_len) (FrameSocket.recv_header)."""
+        if self.frame_timeout is not None:
+            self._frame_until = time.monotonic() + self.frame_timeout if self.buffered else 0.0
+        head = bytearray(HEADER.size)
+        self._read(memoryview(head), idle=idle, header=True)
+        magic, op, _flags, meta_len, body_len = HEADER.unpack(head)
+        if magic != MAGIC:
+            self.broken = True
+            raise ProtocolError(f"UCX: bad frame magic {bytes(magic)!r}")
+        if meta_len > self.max_meta:
+            self.broken = True
+            raise ProtocolError(
+                f"UCX: frame metadata of {meta_len} bytes exceeds the limit of {self.max_meta}"
+            )
+        if self.frame_timeout is not None and not self._frame_until:
+            self._frame_until = time.monotonic() + self.frame_timeout
+        return op, meta_len, body_len
+
+    def _check_frame_time(self) -> None:
+        if self._frame_until and time.monotonic() > self._frame_until:
+            self.broken = True
+            raise TimeoutError_(
+                f"UCX: the peer took more than {self.frame_timeout:g} s to send one frame"
+            )
+
+    def recv_bytes(self, n: int) -> bytes:
+        """Read exactly ``n`` bytes (frame metadata)."""
+        out = bytearray(n)
+        self._read(memoryview(out))
+        return bytes(out)
+
+    def recv_into(self, view: memoryview, *, spin: bool = False, digest: Any = None) -> None:
+        """Fill ``view`` exactly (a payload straight into its destination); ``digest``
+        is fed every byte of it once it is here."""
+        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        self._read(view)
+        if digest is not None:
+            digest.update(view)
+
+    def discard(self, n: int) -> None:
+        """Read and drop ``n`` payload bytes."""
+        scratch = memoryview(bytearray(min(n, 1 << 20)))
+        while n > 0:
+            k = min(n, scratch.nbytes)
+            self.recv_into(scratch[:k])
+            n -= k
+
+    def close(self) -> None:
+        """Close the UCX endpoint and the socket (idempotent); the peer sees the
+        socket close."""
+        if self.closed:
+            return
+        self.closed = True
+        self.link.close()
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()

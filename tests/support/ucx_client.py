@@ -1,0 +1,74 @@
+"""A UCX client run as its own process (``python -m tests.support.ucx_client ADDRESS``),
+so that each test can give it the UCX settings it is about (UCX reads UCX_TLS and
+UCX_NET_DEVICES once per process).
+
+It writes blocks of 1 MiB and 4 MiB, singly and in a batch of 8, reads each back with
+get, get_into and batch_get_into, compares every byte and prints one JSON line: the
+transport its connections used and whether every check held (with what failed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+
+from kvstore import StoreClient
+from tests.support.server_process import ALPHA
+
+MiB = 1 << 20
+
+
+def _key(seed: int, name: str) -> bytes:
+    return f"{seed:08x}{name}".encode().ljust(16, b".")[:16]
+
+
+def check(address: str) -> dict[str, object]:
+    """Round-trip blocks over UCX; the facts to print."""
+    failed: list[str] = []
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = np.random.default_rng(seed)
+    with StoreClient.connect(
+        address, token=ALPHA.token, transport="ucx", timeout_s=20, connect_timeout_s=20
+    ) as c:
+        for size in (MiB, 4 * MiB):
+            key = _key(seed, f"s{size >> 20}")
+            value = rng.integers(0, 255, size, dtype=np.uint8)
+            if c.put(key, value) is not True:
+                failed.append(f"put {size}")
+            got = c.get(key)
+            if not (isinstance(got, np.ndarray) and np.array_equal(got, value)):
+                failed.append(f"get {size}")
+            out = np.zeros_like(value)
+            if c.get_into(key, out) is not True or not np.array_equal(out, value):
+                failed.append(f"get_into {size}")
+        keys = [_key(seed, f"b{i}") for i in range(8)]
+        values = [rng.integers(0, 255, MiB, dtype=np.uint8) for _ in keys]
+        if c.batch_put(keys, values) != [True] * 8:
+            failed.append("batch_put")
+        outs = [np.zeros(MiB, np.uint8) for _ in keys]
+        if c.batch_get_into(keys, outs) != [True] * 8:
+            failed.append("batch_get_into results")
+        if not all(np.array_equal(o, v) for o, v in zip(outs, values, strict=True)):
+            failed.append("batch_get_into bytes")
+        if c.get(_key(seed, "never")) is not None:
+            failed.append("miss")
+        transport = c.transport
+        served = c.stats()["server"]
+    return {
+        "transport": transport,
+        "failed": failed,
+        "bytes_out_ucx": served.get("bytes_out_ucx", 0),
+        "bytes_in_ucx": served.get("bytes_in_ucx", 0),
+    }
+
+
+def main() -> int:
+    print(json.dumps(check(sys.argv[1])), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
