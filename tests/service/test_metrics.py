@@ -174,7 +174,7 @@ def test_counters_match_what_the_test_did(
     paths = {
         dict(labels).get("path") for name, labels in s if name == "kvstore_transfer_bytes_total"
     }
-    assert paths == {"inproc", "shm", "tcp"}  # every path, idle ones at 0; no others
+    assert paths == {"inproc", "shm", "tcp", "ucx"}  # every path, idle ones at 0; no others
     assert val(s, "kvstore_node_info", node_id="m0", tiers="dram,ssd") == 1
     # Tenant counts live in their own families: the untagged totals are the node's own.
     assert not [k for k in s if k[0].startswith("kvstore_hits") and "tenant" in dict(k[1])]
