@@ -66,6 +66,7 @@ __all__ = ["UcxFrames", "UcxWorker", "available", "new_tag"]
 log = logging.getLogger(__name__)
 
 _SPINS = 64  # progress rounds (~1-2 us each) before arming the worker and sleeping
+_COALESCE = 64 << 10  # a frame body this small travels in its header's message (copied)
 _POLL_IN = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP
 # Defaults unless the environment sets them: rendezvous fragments in host memory (no
 # GPU), and 256 KiB tcp segments (UCX's 8 KiB default moved 1 MiB at 0.8 GB/s on
@@ -190,7 +191,8 @@ class UcxFrames:
         self._timeout: float | None = None
         self.closed = False
         self.broken = False
-        self._buf = b""  # received bytes not yet consumed are _buf[_r:]
+        self._buf: bytes | bytearray = b""  # received bytes not yet consumed: _buf[_r:]
+        self._owned: list[tuple[Any, bytes]] = []  # sends of our own bytes in flight
         self._r = 0
         self._next: Any = None  # a probed message not yet received
         self._poll = select.poll()
@@ -293,16 +295,40 @@ class UcxFrames:
     # -- sending -------------------------------------------------------------------------
 
     def _post(self, parts: Sequence[Any]) -> list[Any]:
+        """Post one tag message per part; returns the requests to wait for. A ``bytes``
+        part is this connection's to keep alive (nobody can change it), so it is not
+        waited for: it completes while later calls progress the worker."""
         ep = self.link.ep
         if ep is None or self.closed:
             self.broken = True
             raise TransportError("UCX: the connection is closed")
+        self._reap()
         reqs = []
         for part in parts:
+            if type(part) is bytes:
+                if part:
+                    self._owned.append((ep.tag_send(_arr.Array(part), self._tag), part))
+                continue
             mv = memoryview(part).cast("B")
             if mv.nbytes:
                 reqs.append(ep.tag_send(_arr.Array(mv), self._tag))
         return reqs
+
+    def _reap(self) -> None:
+        """Forget completed sends of our own bytes (raising if one failed)."""
+        if not self._owned:
+            return
+        left = []
+        for req, part in self._owned:
+            if req.completed:
+                try:
+                    req.check_error()
+                except Exception as exc:
+                    self.broken = True
+                    raise _ucx_error(exc, "send") from exc
+            else:
+                left.append((req, part))
+        self._owned = left
 
     def send(
         self,
@@ -313,11 +339,16 @@ class UcxFrames:
         *,
         before: bytes = b"",
     ) -> None:
-        """Send one frame (header and metadata in one message, each body part in one
-        more, from where it lies); returns once the peer has it all, so the caller may
-        reuse the buffers."""
+        """Send one frame: header and metadata in one message, with the body when it is
+        small (copied: one message instead of several), else each body part in one more,
+        from where it lies. Returns once the peer has every part the caller owns, so
+        the caller may reuse its buffers."""
         head = before + HEADER.pack(MAGIC, op, 0, len(meta), body_len) + meta
-        self._send([head, *body])
+        views = [memoryview(b).cast("B") for b in body]
+        if sum(v.nbytes for v in views) <= _COALESCE:
+            self._send([head + b"".join(views)])
+        else:
+            self._send([head, *views])
 
     def send_more(self, parts: Sequence[Any]) -> None:
         """More body bytes of the frame :meth:`send` started."""
@@ -325,7 +356,7 @@ class UcxFrames:
 
     def send_raw(self, data: bytes) -> None:
         """Send whole frames prepared with frames.frame."""
-        self._send([data])
+        self._send([bytes(data)])
 
     def _send(self, parts: Sequence[Any]) -> None:
         try:
@@ -336,7 +367,8 @@ class UcxFrames:
         except Exception as exc:
             self.broken = True
             raise _ucx_error(exc, "send") from exc
-        self._wait_all(reqs, "send")
+        if reqs:
+            self._wait_all(reqs, "send")
 
     # -- receiving -----------------------------------------------------------------------
 
@@ -378,7 +410,7 @@ class UcxFrames:
             return n
         spill = bytearray(n)
         self._recv_msg(memoryview(spill), msg)
-        self._buf, self._r = bytes(spill), view.nbytes
+        self._buf, self._r = spill, view.nbytes
         view[:] = self._buf[: view.nbytes]
         return view.nbytes
 
