@@ -44,9 +44,15 @@ def _key(name: str) -> bytes:
     return name.encode().ljust(16, b".")[:16]
 
 
-def _run_client(address: str, env: dict[str, str], argv_prefix: list[str] | None = None) -> Any:
+def _run_client(
+    address: str,
+    env: dict[str, str],
+    argv_prefix: list[str] | None = None,
+    transport: str = "ucx",
+) -> Any:
     """tests/support/ucx_client.py in its own process (UCX settings are per process)."""
     argv = [*(argv_prefix or []), sys.executable, "-m", "tests.support.ucx_client", address]
+    argv.append(transport)
     out = subprocess.run(
         argv, capture_output=True, text=True, cwd=ROOT, env={**os.environ, **env}, timeout=120
     )
@@ -324,7 +330,7 @@ def test_across_two_network_namespaces(tmp_path: Path) -> None:
     """Two hosts (network namespaces, each its own hostname and boot id) joined by a
     veth pair through a bridge: the server binds its data address, both ends tell UCX to
     use their veth device, and the client on the other host moves its connection to
-    UCX over tcp."""
+    UCX over tcp, asked to (``ucx``) and by itself (``auto``)."""
     from kvstore.cli.children import serve_argv, wait_ready
     from tests.support.netns import Lab, unavailable
 
@@ -348,6 +354,24 @@ def test_across_two_network_namespaces(tmp_path: Path) -> None:
         }
         child = lab.spawn(a, "srv", [*ucx_env, *serve_argv(flags)], tmp_path / "srv.log")
         wait_ready([child], time.monotonic() + 60)
-        facts = _run_client(f"{a.ip('data')}:7400", {}, argv_prefix=[*b.wrap(ucx_env)])
-        assert facts["failed"] == []
-        assert facts["transport"] == "ucx"
+        for transport in ("ucx", "auto"):  # auto: another host offering UCX, ucxx here
+            facts = _run_client(
+                f"{a.ip('data')}:7400", {}, argv_prefix=[*b.wrap(ucx_env)], transport=transport
+            )
+            assert facts["failed"] == []
+            assert facts["transport"] == "ucx"
+
+
+def test_a_cuda_tensor_as_source_and_destination(store_server_ucx: ServerProcess) -> None:
+    """On a machine with a GPU: a CUDA tensor put over UCX and read back into another
+    CUDA tensor. The bytes pass through host memory on both ends (blocks.py stages
+    device tensors); GPU memory registered with UCX (GPUDirect) is not used yet."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device here")
+    src = torch.randn(2, 2, 2, 16, 64, device="cuda").to(torch.bfloat16)
+    with store_server_ucx.client(ALPHA, transport="ucx") as c:
+        assert c.put(_key("cuda-block"), src) is True
+        out = torch.zeros_like(src)
+        assert c.get_into(_key("cuda-block"), out) is True
+        assert out.device.type == "cuda" and torch.equal(out, src)

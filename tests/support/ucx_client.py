@@ -1,4 +1,5 @@
-"""A UCX client run as its own process (``python -m tests.support.ucx_client ADDRESS``),
+"""A UCX client run as its own process (``python -m tests.support.ucx_client ADDRESS
+[TRANSPORT]``, transport ``ucx`` unless given),
 so that each test can give it the UCX settings it is about (UCX reads UCX_TLS and
 UCX_NET_DEVICES once per process).
 
@@ -25,13 +26,13 @@ def _key(seed: int, name: str) -> bytes:
     return f"{seed:08x}{name}".encode().ljust(16, b".")[:16]
 
 
-def check(address: str) -> dict[str, object]:
+def check(address: str, transport: str = "ucx") -> dict[str, object]:
     """Round-trip blocks over UCX; the facts to print."""
     failed: list[str] = []
     seed = int.from_bytes(os.urandom(4), "little")
     rng = np.random.default_rng(seed)
     with StoreClient.connect(
-        address, token=ALPHA.token, transport="ucx", timeout_s=20, connect_timeout_s=20
+        address, token=ALPHA.token, transport=transport, timeout_s=20, connect_timeout_s=20
     ) as c:
         for size in (MiB, 4 * MiB):
             key = _key(seed, f"s{size >> 20}")
@@ -66,7 +67,7 @@ def check(address: str) -> dict[str, object]:
 
 
 def main() -> int:
-    print(json.dumps(check(sys.argv[1])), flush=True)
+    print(json.dumps(check(*sys.argv[1:3])), flush=True)
     return 0
 
 
