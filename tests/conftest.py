@@ -38,6 +38,7 @@ PROCESS_FIXTURES = frozenset(
         "shared",
         "store",
         "store_server",
+        "store_server_ucx",
         "engines",
     }
 )
