@@ -143,11 +143,11 @@ def test_stats_and_scraped_metrics_agree_with_traffic(
     assert doc["blocks"] == 10 and doc["tiers"]["dram"]["blocks"] == 10
     assert (doc["hits"], doc["misses"], doc["lookups"]) == (10, 3, 13)
     assert doc["tiers"]["dram"]["hits"] == 10 and doc["puts"] == 10
-    assert doc["bytes_in"] == {"inproc": 0, "shm": 6 * PAYLOAD, "tcp": 4 * PAYLOAD}
-    assert doc["bytes_out"] == {"inproc": 0, "shm": 6 * PAYLOAD, "tcp": 4 * PAYLOAD}
+    assert doc["bytes_in"] == {"inproc": 0, "shm": 6 * PAYLOAD, "tcp": 4 * PAYLOAD, "ucx": 0}
+    assert doc["bytes_out"] == {"inproc": 0, "shm": 6 * PAYLOAD, "tcp": 4 * PAYLOAD, "ucx": 0}
     alpha = cli_json(capsys, "stats", "--node", server.address, "--tenant", "alpha")["nodes"][0]
     assert (alpha["hits"], alpha["misses"], alpha["puts"]) == (7, 2, 7)
-    assert alpha["bytes_in"] == {"shm": 6 * PAYLOAD, "tcp": PAYLOAD}
+    assert alpha["bytes_in"] == {"shm": 6 * PAYLOAD, "tcp": PAYLOAD, "ucx": 0}
 
     m = scrape(port)
 
