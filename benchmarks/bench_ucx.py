@@ -11,8 +11,9 @@ requests): what moving the same bytes costs with no store, no frames and no chec
 
 Per block size (1 MiB, 4 MiB): get_into and put, singly and in batches of 8 (puts of
 fresh keys). Targets: UCX at least 0.8 of raw ucxx, and no slower than our TCP path.
-Also: small-block (4 KiB) calls, singly and in batches, which give the per-request and
-per-block cost of our Python path (used in RESULTS.md to say where it caps a fast NIC);
+Also: small-block (4 KiB) calls, singly and in batches, over UCX and over TCP, which
+give the per-request and per-block cost of our Python path (used in RESULTS.md to say
+where it caps a fast NIC);
 and Debian's ``ucx_perftest`` (tag_bw) as a C anchor when the ucx-utils package is
 installed (a different UCX release: 1.13 against the wheel's), reported MISSING
 otherwise.
@@ -301,16 +302,21 @@ def measure(address: str, raw: RawUcxx, size: int, runs: int) -> dict[str, float
 
 
 def small_costs(address: str, runs: int) -> dict[str, float]:
-    """Microseconds per 4 KiB get_into over UCX, alone and per block of a batch of 8."""
-    ucx = Ours(address, "ucx", 4096)
-    one, per = [], []
-    try:
-        for _ in range(runs):
-            one.append(timed(ucx.get_into, 400) / 400 * 1e6)
-            per.append(timed(ucx.batch_get_into, 100) / (100 * BATCH) * 1e6)
-    finally:
-        ucx.close()
-    return {"request_us": statistics.median(one), "per_block_in_batch_us": statistics.median(per)}
+    """Microseconds per 4 KiB get_into, alone and per block of a batch of 8, over UCX
+    and over our TCP path."""
+    out: dict[str, float] = {}
+    for transport in ("ucx", "tcp"):
+        ours = Ours(address, transport, 4096)
+        one, per = [], []
+        try:
+            for _ in range(runs):
+                one.append(timed(ours.get_into, 400) / 400 * 1e6)
+                per.append(timed(ours.batch_get_into, 100) / (100 * BATCH) * 1e6)
+        finally:
+            ours.close()
+        out[f"{transport} request_us"] = statistics.median(one)
+        out[f"{transport} per_block_in_batch_us"] = statistics.median(per)
+    return out
 
 
 def main() -> int:
@@ -360,10 +366,11 @@ def main() -> int:
             + (f"{pt:5.2f}" if pt else "MISSING (apt-get install ucx-utils)")
         )
     sm = results["small"]
-    print(
-        f"4 KiB get_into over UCX: {sm['request_us']:.0f} us a call; "
-        f"{sm['per_block_in_batch_us']:.0f} us a block in batches of {BATCH}"
-    )
+    for transport in ("ucx", "tcp"):
+        print(
+            f"4 KiB get_into over {transport}: {sm[f'{transport} request_us']:.0f} us a call; "
+            f"{sm[f'{transport} per_block_in_batch_us']:.0f} us a block in batches of {BATCH}"
+        )
     return 0
 
 
