@@ -66,6 +66,7 @@ __all__ = ["UcxFrames", "UcxWorker", "available", "new_tag"]
 log = logging.getLogger(__name__)
 
 _SPINS = 64  # progress rounds (~1-2 us each) before arming the worker and sleeping
+_FLUSH_S = 0.5  # at close, how long our last small sends may take to leave
 _COALESCE = 64 << 10  # a frame body this small travels in its header's message (copied)
 _POLL_IN = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP
 # Defaults unless the environment sets them: rendezvous fragments in host memory (no
@@ -241,8 +242,13 @@ class UcxFrames:
         wait_ms = -1 if until == math.inf else max(int((until - now) * 1000) + 1, 1)
         if idle:
             wait_ms = 1000 if wait_ms < 0 else min(wait_ms, 1000)
-        for fd, _ev in self._poll.poll(wait_ms if nap else 0):
-            if fd == self.sock.fileno():
+        sock_fd = self.sock.fileno()
+        if self.closed or sock_fd < 0:  # closed under this wait: nothing more will come
+            raise _PeerClosed("UCX: the connection is closed")
+        for fd, ev in self._poll.poll(wait_ms if nap else 0):
+            if ev & select.POLLNVAL:  # a descriptor closed under us: never poll it again
+                raise _PeerClosed("UCX: the connection is closed")
+            if fd == sock_fd:
                 self._check_socket()
         if self.frame_timeout is not None and self._frame_until and not idle:
             self._check_frame_time()
@@ -269,7 +275,15 @@ class UcxFrames:
             if spins < _SPINS:
                 continue
             if w.arm():
-                self._sleep(until, idle)
+                try:
+                    self._sleep(until, idle)
+                except _PeerClosed:
+                    # what the peer sent before it closed may still be on its way
+                    for _ in range(_SPINS):
+                        w.progress()
+                        if done():
+                            return
+                    raise
             elif not spins % _SPINS:  # busy (events keep coming): still watch the socket
                 self._sleep(until, idle, nap=False)
 
@@ -511,8 +525,19 @@ class UcxFrames:
         socket close."""
         if self.closed:
             return
+        self._flush_owned()
         self.closed = True
         self.link.close()
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
+
+    def _flush_owned(self) -> None:
+        """Let sends of our own bytes still in flight (an ERROR frame before a close)
+        leave before the endpoint is forced shut, for a moment at most."""
+        w = self.link.worker
+        end = time.monotonic() + _FLUSH_S
+        with contextlib.suppress(Exception):
+            while w is not None and self._owned and time.monotonic() < end:
+                w.progress()
+                self._owned = [(r, b) for r, b in self._owned if not r.completed]
