@@ -7,8 +7,10 @@ answers INFO with its own worker address and that tag. From then on both ends sp
 same frames as before (kvstore/wire/frames.py), over UCX:
 
 - a frame's header and metadata (with any frames queued ahead of it) go as one tag
-  message, each payload part as one more, sent from where it lies (UCX registers it;
-  over rendezvous the receiver pulls it straight into its destination);
+  message, with the body when it is 64 KiB or less (copied: one message instead of
+  several); a larger body goes as one more message per part, sent from where it lies
+  (UCX registers it; over rendezvous the receiver pulls it straight into its
+  destination);
 - a receiver probes for the next message of the connection's tag and, when the message
   fits what it is reading, receives it straight into the destination (the caller's
   tensor, a reserved slab extent); anything else lands in a small buffer first. Payloads
@@ -32,8 +34,8 @@ socket.
 What the socket still does. It authenticated the connection (and the tag travels on
 it, so a third party that reaches the worker's port cannot speak on it), and it stays
 open as the connection's lifeline: both ends wait for UCX events and for the socket at
-once, so a peer that dies or closes is noticed at once on any transport, without UCX
-error handling. The lease reaper ends a stalled put by shutting that socket down, as on
+once, so a peer that dies or closes is noticed at once, however long UCX's own failure
+detection would take. The lease reaper ends a stalled put by shutting that socket down, as on
 TCP. Payloads over UCX travel in the clear, so a server with TLS never offers UCX.
 
 Waiting is UCX's blocking progress mode: progress, probe, spin a few rounds, then arm
@@ -47,7 +49,6 @@ GPU: rendezvous fragments in host memory) and 256 KiB tcp segments. Tests set
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import os
 import secrets
@@ -62,8 +63,6 @@ from kvstore.errors import KVStoreError, TimeoutError_, TransportError
 from kvstore.wire.frames import HEADER, MAGIC, ProtocolError
 
 __all__ = ["UcxFrames", "UcxWorker", "available", "new_tag"]
-
-log = logging.getLogger(__name__)
 
 _SPINS = 64  # progress rounds (~1-2 us each) before arming the worker and sleeping
 _FLUSH_S = 0.5  # at close, how long our last small sends may take to leave
