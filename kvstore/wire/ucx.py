@@ -462,7 +462,7 @@ class UcxFrames:
                 try:
                     got += self._take(view[got:], until, idle and not got)
                 except _PeerClosed:
-                    if header and not got and not self._r < len(self._buf):
+                    if header and not got:  # nothing of a next frame had come
                         raise EOFError("peer closed the connection") from None
                     raise
                 if self.frame_timeout is not None and got < n:

@@ -93,8 +93,8 @@ class DataConn:
     ) -> DataConn:
         """Connect to ``(host, port)`` or an abstract Unix socket name, handshake and
         authenticate; raises AuthError for a refused token. TLS applies to TCP only.
-        With ``ucx`` the connection asks to move to UCX; ``transport_name`` says where
-        it ended up (a server that declines leaves it on the socket)."""
+        With ``ucx`` the connection asks to move to UCX; :attr:`on_ucx` says whether it
+        did (a server that declines leaves it on the socket)."""
         left = max(deadline - time.monotonic(), 0.001)
         where = target if isinstance(target, str) else f"{target[0]}:{target[1]}"
         with socket_errors(f"data socket {where}"):
