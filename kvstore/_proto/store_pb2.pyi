@@ -50,7 +50,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("version", "node_id", "tenant", "admin", "host_id", "hostname", "data_port", "shm_name", "shm_size", "lease_ttl_ms", "limits", "tiers", "instance_id", "draining", "unix_socket", "shm_index", "pid", "scope_key", "put_sums_follow", "ucx", "ucx_address", "ucx_tag")
+    __slots__ = ("version", "node_id", "tenant", "admin", "host_id", "hostname", "data_port", "shm_name", "shm_size", "lease_ttl_ms", "limits", "tiers", "instance_id", "draining", "unix_socket", "shm_index", "pid", "scope_key", "put_sums_follow", "ucx", "ucx_address", "ucx_tag", "put_layers")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,7 @@ class InfoResponse(_message.Message):
     UCX_FIELD_NUMBER: _ClassVar[int]
     UCX_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     UCX_TAG_FIELD_NUMBER: _ClassVar[int]
+    PUT_LAYERS_FIELD_NUMBER: _ClassVar[int]
     version: str
     node_id: str
     tenant: str
@@ -95,7 +96,8 @@ class InfoResponse(_message.Message):
     ucx: bool
     ucx_address: bytes
     ucx_tag: int
-    def __init__(self, version: _Optional[str] = ..., node_id: _Optional[str] = ..., tenant: _Optional[str] = ..., admin: _Optional[bool] = ..., host_id: _Optional[str] = ..., hostname: _Optional[str] = ..., data_port: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_size: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., tiers: _Optional[_Iterable[str]] = ..., instance_id: _Optional[str] = ..., draining: _Optional[bool] = ..., unix_socket: _Optional[str] = ..., shm_index: _Optional[str] = ..., pid: _Optional[int] = ..., scope_key: _Optional[bytes] = ..., put_sums_follow: _Optional[bool] = ..., ucx: _Optional[bool] = ..., ucx_address: _Optional[bytes] = ..., ucx_tag: _Optional[int] = ...) -> None: ...
+    put_layers: bool
+    def __init__(self, version: _Optional[str] = ..., node_id: _Optional[str] = ..., tenant: _Optional[str] = ..., admin: _Optional[bool] = ..., host_id: _Optional[str] = ..., hostname: _Optional[str] = ..., data_port: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_size: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., tiers: _Optional[_Iterable[str]] = ..., instance_id: _Optional[str] = ..., draining: _Optional[bool] = ..., unix_socket: _Optional[str] = ..., shm_index: _Optional[str] = ..., pid: _Optional[int] = ..., scope_key: _Optional[bytes] = ..., put_sums_follow: _Optional[bool] = ..., ucx: _Optional[bool] = ..., ucx_address: _Optional[bytes] = ..., ucx_tag: _Optional[int] = ..., put_layers: _Optional[bool] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
@@ -226,14 +228,16 @@ class PutItem(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., meta: _Optional[_Union[ValueMeta, _Mapping]] = ..., checksum: _Optional[int] = ..., payload: _Optional[bytes] = ..., namespace_fp: _Optional[bytes] = ..., tenant: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class PutRequest(_message.Message):
-    __slots__ = ("scope", "items", "sums_follow")
+    __slots__ = ("scope", "items", "sums_follow", "layers")
     SCOPE_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     SUMS_FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
     scope: Scope
     items: _containers.RepeatedCompositeFieldContainer[PutItem]
     sums_follow: bool
-    def __init__(self, scope: _Optional[_Union[Scope, _Mapping]] = ..., items: _Optional[_Iterable[_Union[PutItem, _Mapping]]] = ..., sums_follow: _Optional[bool] = ...) -> None: ...
+    layers: int
+    def __init__(self, scope: _Optional[_Union[Scope, _Mapping]] = ..., items: _Optional[_Iterable[_Union[PutItem, _Mapping]]] = ..., sums_follow: _Optional[bool] = ..., layers: _Optional[int] = ...) -> None: ...
 
 class PutResult(_message.Message):
     __slots__ = ("stored", "error", "lease_id", "offset")

@@ -22,9 +22,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstore._proto import store_pb2 as pb
+from kvstore.blocks import ValueInfo
 from kvstore.client.connector import Connector, Locate
 from kvstore.client.control import Control
-from kvstore.client.transport.base import Link, Links, Transport
+from kvstore.client.transport.base import LayerSink, Link, Links, Transport
 from kvstore.config import ClientConfig
 from kvstore.errors import TransportError
 from kvstore.faults import Fault, FaultPlan
@@ -143,6 +144,20 @@ class FaultyTransport(Transport[Any]):
         n = min(f.after_keys or 0, len(keys))
         done = self.inner.write(conn, keys[:n], values[:n], scope, deadline) if n else []
         return self._rest(f, done, len(keys))
+
+    def begin_layers(
+        self,
+        conn: Any,
+        keys: Sequence[bytes],
+        infos: Sequence[ValueInfo],
+        layers: int,
+        scope: pb.Scope,
+        deadline: float,
+    ) -> LayerSink:
+        f = self.plan.inject("write", self.where)
+        if f is not None:
+            raise f.error or TransportError("injected fault: connection cut at the write")
+        return self.inner.begin_layers(conn, keys, infos, layers, scope, deadline)
 
     def exists(self, conn: Any, keys: Sequence[bytes], deadline: float) -> list[bool]:
         self.plan.inject("exists", self.where)

@@ -44,9 +44,17 @@ from kvstore.blocks import layer_range
 from kvstore.client.connector import Connector, SocketConnector
 from kvstore.client.control import Control
 from kvstore.client.faults import FaultyConnector
-from kvstore.client.transport.base import Links, Transport
+from kvstore.client.layered import LayeredPut, block_info
+from kvstore.client.transport.base import LayerSink, Link, Links, Transport
 from kvstore.config import ClientConfig
-from kvstore.errors import ClosedError, ConfigError, InvalidValue, KVStoreError, LimitExceeded
+from kvstore.errors import (
+    BlockTooLarge,
+    ClosedError,
+    ConfigError,
+    InvalidValue,
+    KVStoreError,
+    LimitExceeded,
+)
 from kvstore.faults import FaultPlan
 from kvstore.keys import KEY_BYTES, Namespace, as_key
 from kvstore.observe.counters import NodeCounters
@@ -261,6 +269,35 @@ class NodeClient:
             return lambda c, t, d: t.write(c, sub_k, sub_v, scope, d)
 
         return self._per_item(write, len(ks), timeout)
+
+    def begin_layers(
+        self,
+        keys: Sequence[bytes],
+        *,
+        shape: Sequence[int],
+        dtype: Any,
+        namespace: Namespace | None = None,
+        timeout: float | None = None,
+    ) -> LayeredPut:
+        """Start a layer-by-layer write of blocks of ``shape`` and ``dtype`` (the layer
+        is the first dimension): write each layer range as it is computed, then commit
+        (kvstore/client/layered.py has the contract). ``timeout`` bounds each step."""
+        ks = self._keys(keys)
+        info = block_info(shape, dtype)
+        self._check_open()
+        assert self._pool is not None
+        limit = self._info.limits.max_value_bytes
+        if info.nbytes > limit:
+            raise BlockTooLarge(f"blocks of {info.nbytes} bytes exceed max_value_bytes {limit}")
+        scope = self._scope_for(namespace)
+        layers = info.shape[0]
+
+        def start(link: Link, deadline: float) -> LayerSink:
+            conn, transport = link
+            return transport.begin_layers(conn, ks, [info] * len(ks), layers, scope, deadline)
+
+        t = self.config.timeout_s if timeout is None else timeout
+        return LayeredPut(self._pool, ks, info, start, t)
 
     def batch_get(
         self,

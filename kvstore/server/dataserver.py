@@ -97,6 +97,7 @@ many times over, and an unauthenticated peer can make the server allocate no mor
 
 
 _SUM = struct.Struct("<Q")  # a payload's xxh3 after it (PutRequest.sums_follow)
+_KEEP = struct.Struct("<QB")  # a layer-by-layer PUT's trailer: xxh3 and keep, per item
 _CLIENT_COPY_RATE = 8e9  # bytes/s a same-host client copies into the segment, at least
 
 
@@ -526,6 +527,8 @@ class _Session:
             )
         req = _parse(pb.PutRequest, meta)
         items = _write_items(req)
+        if req.layers:
+            return self._put_layers(req, items, body_len)
         trailer = _SUM.size if req.sums_follow else 0  # each payload's xxh3 after it
         expected = sum(it.nbytes + trailer for it in items)
         if expected != body_len:
@@ -553,6 +556,49 @@ class _Session:
         resp = pb.PutResponse()
         for r in results:
             _put_result(r, resp.results.add())
+        return resp
+
+    def _put_layers(
+        self, req: pb.PutRequest, items: list[WriteItem], body_len: int
+    ) -> pb.PutResponse:
+        """A layer-by-layer PUT (PutRequest.layers): every item reserved first, then
+        each layer of every item received straight into its run of the reservation as
+        the writer produces it, then the items' checksums and keep flags, then one
+        commit. A stream that ends early aborts every reservation."""
+        layers = req.layers
+        sizes = [it.nbytes for it in items]
+        if any(n % layers for n in sizes):
+            raise ProtocolError(f"PUT of {layers} layers: an item does not split into them")
+        if sum(sizes) + _KEEP.size * len(items) != body_len:
+            raise ProtocolError(
+                f"PUT items add up to {sum(sizes)} bytes and trailers, frame has {body_len}"
+            )
+        try:
+            write = self.gw.begin_layers(
+                self.principal, req.scope.model, req.scope.layout, items, layers, path=self.path
+            )
+        except KVStoreError:
+            if not self.fs.broken:
+                self._skip_body(body_len)  # refused whole: the stream stays in step
+            raise
+        try:
+            for layer in range(layers):
+                for i, n in enumerate(sizes):
+                    view = write.target(i, layer)
+                    if view is None:
+                        self.fs.discard(n // layers)
+                    else:
+                        self._fill(view.data, n // layers)
+            tail = self.fs.recv_bytes(_KEEP.size * len(items))
+        except BaseException:
+            write.abort()  # a cut-short stream never becomes visible
+            raise
+        sums = [(c, bool(k)) for c, k in _KEEP.iter_unpack(tail)]
+        resp = pb.PutResponse()
+        for r in write.finish(sums):
+            out = resp.results.add()
+            if r is not None:
+                _put_result(r, out)
         return resp
 
     def _fill(self, view: Any, n: int) -> None:

@@ -54,6 +54,7 @@ from kvstore.layout import KVLayout
 from kvstore.node.budgets import Budget
 from kvstore.node.store import BlockRead, Reservation, StoreNode
 from kvstore.observe.counters import NodeCounters, split_key
+from kvstore.server.layered import LayeredWrite, check_layered
 from kvstore.server.leases import Lease, LeaseKind, LeaseTable
 from kvstore.server.namespaces import NamespaceRegistry
 from kvstore.server.quotas import Quotas
@@ -63,6 +64,8 @@ from kvstore.tiering import TierKind
 __all__ = ["Gateway", "ReadBatch", "ReadItem", "WriteItem"]
 
 log = logging.getLogger(__name__)
+
+_MAX_LAYERS = 4096  # a layer-by-layer write names its layer count; more is not a model
 
 ReadItem = BlockRead | None | KVStoreError  # a pinned hit, a miss, or that key's failure
 
@@ -403,6 +406,51 @@ class Gateway:
             except KVStoreError as exc:
                 out.append(exc)
         return out
+
+    def begin_layers(
+        self,
+        p: Principal,
+        model: str,
+        layout: str,
+        items: Sequence[WriteItem],
+        layers: int,
+        path: str = "tcp",
+    ) -> LayeredWrite:
+        """One layer-by-layer write request (kvstore/server/layered.py): every item
+        reserved now, filled by the caller one layer at a time, committed by
+        :meth:`LayeredWrite.finish`. The caller must :meth:`LayeredWrite.abort` when
+        the stream ends early, or the reservations stay until the process ends."""
+        self.check_batch(len(items))
+        if not 0 < layers <= _MAX_LAYERS:
+            raise InvalidValue(f"a layer-by-layer write of {layers} layers")
+        ns = self.namespace(p, model, layout)
+        slots: list[Reservation | None] = []
+        results: list[bool | KVStoreError | None] = []
+        try:
+            for it in items:
+                res = None
+                try:
+                    if isinstance(it.info, KVStoreError):
+                        raise it.info
+                    check_layered(it.info, layers)
+                    res = self._reserve(p, it.key, it.info, ns)
+                    results.append(None if res is not None else False)
+                except KVStoreError as exc:
+                    results.append(self._refused(p, exc))
+                slots.append(res)
+        except BaseException:
+            for held in slots:
+                if held is not None:
+                    self.node.abort(held)
+            raise
+        return LayeredWrite(
+            layers,
+            [it.nbytes for it in items],
+            slots,
+            results,
+            lambda res, csum: self._commit(p, res, csum, path),
+            self.node.abort,
+        )
 
     def reserve_leased(
         self, p: Principal, model: str, layout: str, items: Sequence[WriteItem], owner: int

@@ -198,6 +198,7 @@ class StoreServer:
             unix_socket=self._data.unix_name if self._data is not None else "",
             pid=os.getpid(),
             put_sums_follow=True,
+            put_layers=True,
             ucx=self._data is not None and self._data.ucx,
         )
 

@@ -39,10 +39,10 @@ import grpc
 import numpy as np
 
 from kvstore._proto import store_pb2 as pb
-from kvstore.blocks import checksum, layer_span
+from kvstore.blocks import ValueInfo, checksum, layer_span
 from kvstore.client.connector import Connector, Locate
 from kvstore.client.control import Control
-from kvstore.client.transport.base import Link, Links, Transport
+from kvstore.client.transport.base import LayerSink, Link, Links, Transport
 from kvstore.client.transport.buffers import fresh_landing, out_landing, prepare_writes
 from kvstore.config import ClientConfig, ServerConfig
 from kvstore.errors import KVStoreError, TimeoutError_, TransportError, Unavailable
@@ -50,6 +50,7 @@ from kvstore.node.store import BlockRead, StoreNode
 from kvstore.observe.counters import NodeCounters
 from kvstore.server.auth import TokenTable
 from kvstore.server.gateway import Gateway, WriteItem
+from kvstore.server.layered import LayeredWrite
 from kvstore.server.service import StoreServicer
 from kvstore.tenants import Principal
 from kvstore.wire.auth import bearer_metadata
@@ -336,11 +337,51 @@ class MemoryTransport(Transport[MemorySession]):
             results[it.index] = error_of(status_of(r)) if isinstance(r, KVStoreError) else r
         return results
 
+    def begin_layers(
+        self,
+        conn: MemorySession,
+        keys: Sequence[bytes],
+        infos: Sequence[ValueInfo],
+        layers: int,
+        scope: pb.Scope,
+        deadline: float,
+    ) -> LayerSink:
+        wire = [
+            WriteItem(k, info_from_meta(meta_of(i)), 0, i.nbytes)
+            for k, i in zip(keys, infos, strict=True)
+        ]
+        gw = conn.gateway()
+        write = gw.begin_layers(conn.principal, scope.model, scope.layout, wire, layers, "inproc")
+        return _MemoryLayers(conn, write)
+
     def exists(self, conn: MemorySession, keys: Sequence[bytes], deadline: float) -> list[bool]:
         return conn.gateway().exists(conn.principal, keys)
 
     def match_prefix(self, conn: MemorySession, keys: Sequence[bytes], deadline: float) -> int:
         return conn.gateway().match_prefix(conn.principal, keys)
+
+
+class _MemoryLayers(LayerSink):
+    """A layer-by-layer write copied straight into the gateway's reservations."""
+
+    def __init__(self, conn: MemorySession, write: LayeredWrite) -> None:
+        self.conn, self.write = conn, write
+        self.layer = 0
+
+    def send(self, parts: Sequence[Any], deadline: float) -> None:
+        self.conn.gateway()  # a server that went away breaks the write
+        for i, part in enumerate(parts):
+            dst = self.write.target(i, self.layer)
+            if dst is not None:
+                np.copyto(dst, np.frombuffer(part, np.uint8))
+        self.layer += 1
+
+    def finish(self, sums: Sequence[int], keep: Sequence[bool], deadline: float) -> list[Any]:
+        out = self.write.finish(list(zip(sums, keep, strict=True)))
+        return [error_of(status_of(r)) if isinstance(r, KVStoreError) else r for r in out]
+
+    def abort(self, deadline: float) -> None:
+        self.write.abort()
 
 
 class MemoryLinks(Links):

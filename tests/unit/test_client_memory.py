@@ -197,3 +197,28 @@ def test_layer_ranges_over_the_in_memory_network(net: MemoryNetwork) -> None:
         assert r[0] is True and torch.equal(outs[0], blocks[0][0:1])
         assert all(isinstance(x, TransportError) for x in r[1:]), r
         assert all(not o.any() for o in outs[1:])  # nothing of theirs was handed over
+
+
+def test_layer_by_layer_writes_over_the_in_memory_network(net: MemoryNetwork) -> None:
+    """The layered write's client logic (order, checksum stream, keep, abort) against a
+    real Gateway: what it stores equals a whole put, withdrawn and aborted items free
+    their space."""
+    k, data = keys(3, seed=7), [block(10 + i) for i in range(3)]
+    node = net.server(ADDR).gateway.node
+    with client(net).open() as c:
+        with c.begin_layers(k, shape=SHAPE, dtype=torch.float32) as w:
+            w.write(0, [d[:1] for d in data])
+            assert c.exists(k) == [False] * 3  # nothing visible before the commit
+            w.write(1, [d[1:] for d in data])
+            assert w.commit(keep=[True, False, True]) == [True, None, True]
+        assert c.exists(k) == [True, False, True]
+        assert torch.equal(c.get(k[2]), data[2])
+        used = node.stats()["tiers"]["dram"]["used"]
+        with c.begin_layers([k[1]], shape=SHAPE, dtype=torch.float32) as w:
+            w.write(0, [data[1][:1]])
+        assert node.stats()["tiers"]["dram"]["used"] == used  # aborted on leaving
+        assert c.exists(k) == [True, False, True]
+        plan = FaultPlan(Fault("write", error=TransportError("reset (injected)")))
+        faulty = client(net, connector=FaultyConnector(net, plan))
+        with faulty.open(), pytest.raises(TransportError):
+            faulty.begin_layers(k, shape=SHAPE, dtype=torch.float32)

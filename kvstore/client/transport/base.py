@@ -35,9 +35,10 @@ from collections.abc import Sequence
 from typing import Any, ClassVar, Generic, TypeVar
 
 from kvstore._proto import store_pb2 as pb
+from kvstore.blocks import ValueInfo
 from kvstore.observe.counters import NodeCounters
 
-__all__ = ["Link", "Links", "Transport"]
+__all__ = ["LayerSink", "Link", "Links", "Transport"]
 
 C = TypeVar("C")
 
@@ -79,12 +80,45 @@ class Transport(ABC, Generic[C]):
         """Store values (tensors, arrays, bytes) under keys."""
 
     @abstractmethod
+    def begin_layers(
+        self,
+        conn: C,
+        keys: Sequence[bytes],
+        infos: Sequence[ValueInfo],
+        layers: int,
+        scope: pb.Scope,
+        deadline: float,
+    ) -> LayerSink:
+        """Start a write whose payloads come one layer range at a time
+        (kvstore/client/layered.py): the server reserves every item now and stores
+        none before :meth:`LayerSink.finish`."""
+
+    @abstractmethod
     def exists(self, conn: C, keys: Sequence[bytes], deadline: float) -> list[bool]:
         """Whether each key is stored (any tier)."""
 
     @abstractmethod
     def match_prefix(self, conn: C, keys: Sequence[bytes], deadline: float) -> int:
         """How many leading keys are stored."""
+
+
+class LayerSink(ABC):
+    """One layer-by-layer write in flight on one link: the bytes of each layer range,
+    then each item's checksum and keep flag, then the per-item results."""
+
+    @abstractmethod
+    def send(self, parts: Sequence[Any], deadline: float) -> None:
+        """The next layer of every item, in item order (flat uint8 buffers)."""
+
+    @abstractmethod
+    def finish(self, sums: Sequence[int], keep: Sequence[bool], deadline: float) -> list[Any]:
+        """Commit: per item True (stored), False (stored already), None (withdrawn:
+        ``keep`` False) or its error."""
+
+    @abstractmethod
+    def abort(self, deadline: float) -> None:
+        """Drop the write: nothing of it is stored and every reservation is freed,
+        by a message or by closing the link (it then reports ``usable`` False)."""
 
 
 class Links(ABC):

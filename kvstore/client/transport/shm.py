@@ -53,7 +53,8 @@ from typing import Any
 import numpy as np
 
 from kvstore._proto import store_pb2 as pb
-from kvstore.blocks import HEADER_SIZE, BlockHeader, checksum, layer_span
+from kvstore.blocks import HEADER_SIZE, BlockHeader, ValueInfo, checksum, layer_span
+from kvstore.client.transport.base import LayerSink
 from kvstore.client.transport.buffers import (
     Outgoing,
     copy_hashed,
@@ -68,7 +69,7 @@ from kvstore.errors import CapacityError, KVStoreError, StorageError, TimeoutErr
 from kvstore.observe.counters import NodeCounters
 from kvstore.shm.prefault import Prefaulter
 from kvstore.shm.segment import map_segment
-from kvstore.wire.codec import meta_of
+from kvstore.wire.codec import error_of, meta_of
 from kvstore.wire.frames import Op
 
 __all__ = ["Segment", "ShmTransport"]
@@ -276,6 +277,37 @@ class ShmTransport(SocketTransport):
                 pending = refused + pending
         return results
 
+    def begin_layers(
+        self,
+        conn: DataConn,
+        keys: Sequence[bytes],
+        infos: Sequence[ValueInfo],
+        layers: int,
+        scope: pb.Scope,
+        deadline: float,
+    ) -> LayerSink:
+        """RESERVE every item now; each layer range is then copied straight into its
+        extent, with no round trip, and one COMMIT (and an ABORT of the withdrawn)
+        ends the write."""
+        req = pb.PutRequest(scope=scope)
+        for key, info in zip(keys, infos, strict=True):
+            req.items.add(key=key, meta=meta_of(info))
+        resp, _ = conn.call(Op.RESERVE, req, pb.PutResponse, deadline)
+        if len(resp.results) != len(keys):
+            conn.fs.broken = True
+            raise TransportError(f"{len(resp.results)} results for {len(keys)} values")
+        early: list[Any] = [None] * len(keys)
+        extents: list[np.ndarray | None] = []
+        leases: list[int] = []
+        for i, (info, r) in enumerate(zip(infos, resp.results, strict=True)):
+            if r.lease_id:
+                extents.append(self.segment.extent(r.offset, info.nbytes))
+            else:
+                early[i] = error_of(r.error) or r.stored
+                extents.append(None)
+            leases.append(r.lease_id)
+        return _ShmLayers(conn, extents, leases, early)
+
     def _write_round(
         self,
         conn: DataConn,
@@ -335,6 +367,62 @@ class ShmTransport(SocketTransport):
         rest = [r.lease_id for _, r in granted[sent:]]
         if rest and conn.usable:
             conn.call(Op.ABORT, pb.LeaseRequest(lease_ids=rest), pb.LeaseResponse, deadline)
+
+
+class _ShmLayers(LayerSink):
+    """A layer-by-layer write into reserved extents of the shared segment."""
+
+    def __init__(
+        self, conn: DataConn, extents: list[np.ndarray | None], leases: list[int], early: list[Any]
+    ) -> None:
+        self.conn, self.extents, self.leases, self.early = conn, extents, leases, early
+        self.filled = [0] * len(extents)  # bytes of each extent written so far
+
+    def send(self, parts: Sequence[Any], deadline: float) -> None:
+        for i, part in enumerate(parts):
+            dst = self.extents[i]
+            if dst is None:
+                continue
+            src = np.frombuffer(part, np.uint8)
+            at = self.filled[i]
+            if at + src.size > dst.size:
+                raise TransportError(
+                    f"item {i}: {at + src.size} bytes for a {dst.size}-byte extent"
+                )
+            np.copyto(dst[at : at + src.size], src)
+            self.filled[i] = at + src.size
+
+    def finish(self, sums: Sequence[int], keep: Sequence[bool], deadline: float) -> list[Any]:
+        out = list(self.early)
+        commit, drop, order = pb.CommitRequest(), [], []
+        for i, lease in enumerate(self.leases):
+            if not lease:
+                continue
+            if keep[i]:
+                commit.items.add(lease_id=lease, checksum=sums[i])
+                order.append(i)
+            else:
+                drop.append(lease)
+        self.leases = []
+        if drop:
+            self.conn.call(Op.ABORT, pb.LeaseRequest(lease_ids=drop), pb.LeaseResponse, deadline)
+        if order:
+            resp, _ = self.conn.call(Op.COMMIT, commit, pb.PutResponse, deadline)
+            if len(resp.results) != len(order):
+                self.conn.fs.broken = True
+                raise TransportError(f"{len(resp.results)} results for {len(order)} commits")
+            for i, r in zip(order, resp.results, strict=True):
+                out[i] = error_of(r.error) or r.stored
+        return out
+
+    def abort(self, deadline: float) -> None:
+        held, self.leases = [lease for lease in self.leases if lease], []
+        if not held or not self.conn.usable:
+            return  # a connection that went away took its leases with it
+        try:
+            self.conn.call(Op.ABORT, pb.LeaseRequest(lease_ids=held), pb.LeaseResponse, deadline)
+        except KVStoreError:
+            self.conn.fs.broken = True  # dropped by the pool: the server ends its leases
 
 
 def _take_round(items: list[Outgoing], budget: int) -> tuple[list[Outgoing], list[Outgoing]]:

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstore._proto import store_pb2 as pb
-from kvstore.blocks import BlockHeader, checksum, checksum_stream, layer_span
-from kvstore.client.transport.base import Transport
+from kvstore.blocks import BlockHeader, ValueInfo, checksum, checksum_stream, layer_span
+from kvstore.client.transport.base import LayerSink, Transport
 from kvstore.client.transport.buffers import (
     Outgoing,
     fresh_landing,
@@ -27,7 +27,7 @@ from kvstore.client.transport.buffers import (
     prepare_writes,
 )
 from kvstore.client.transport.conn import DataConn
-from kvstore.errors import CorruptBlock, KVStoreError, TransportError
+from kvstore.errors import CorruptBlock, KVStoreError, TransportError, Unavailable
 from kvstore.observe.counters import NodeCounters
 from kvstore.wire.codec import error_of, meta_of
 from kvstore.wire.frames import Op
@@ -37,6 +37,7 @@ __all__ = ["SocketTransport", "TcpTransport", "miss", "put_results", "ranged", "
 log = logging.getLogger(__name__)
 
 _SUM = struct.Struct("<Q")  # a payload's xxh3 after it (PutRequest.sums_follow)
+_KEEP = struct.Struct("<QB")  # a layer-by-layer PUT's trailer: xxh3 and keep, per item
 
 
 def miss(get_into: bool) -> Any:
@@ -170,6 +171,24 @@ class TcpTransport(SocketTransport):
         resp, _ = conn.call(Op.PUT, req, pb.PutResponse, deadline, body, total)
         return put_results(resp, items, results)
 
+    def begin_layers(
+        self,
+        conn: DataConn,
+        keys: Sequence[bytes],
+        infos: Sequence[ValueInfo],
+        layers: int,
+        scope: pb.Scope,
+        deadline: float,
+    ) -> LayerSink:
+        if not conn.info.put_layers:
+            raise Unavailable("the server does not take layer-by-layer puts (upgrade it)")
+        req = pb.PutRequest(scope=scope, layers=layers)
+        for key, info in zip(keys, infos, strict=True):
+            req.items.add(key=key, meta=meta_of(info))
+        total = sum(info.nbytes + _KEEP.size for info in infos)
+        conn.send_only(Op.PUT, req, deadline, [], total)
+        return _StreamedPut(conn, len(keys))
+
     @staticmethod
     def _send_hashing(
         conn: DataConn, items: list[Outgoing], scope: pb.Scope, deadline: float
@@ -189,3 +208,33 @@ class TcpTransport(SocketTransport):
             if i + 1 < len(items):
                 after.append(items[i + 1].data)
             conn.send_more(after)
+
+
+class _StreamedPut(LayerSink):
+    """A layer-by-layer PUT on the data socket: the frame's header went first, each
+    layer range follows as the caller produces it, the trailer and one reply end it."""
+
+    def __init__(self, conn: DataConn, n: int) -> None:
+        self.conn, self.n = conn, n
+
+    def send(self, parts: Sequence[Any], deadline: float) -> None:
+        self.conn.fs.set_deadline(deadline)
+        self.conn.send_more(parts)
+
+    def finish(self, sums: Sequence[int], keep: Sequence[bool], deadline: float) -> list[Any]:
+        tail = b"".join(_KEEP.pack(s, k) for s, k in zip(sums, keep, strict=True))
+        self.conn.fs.set_deadline(deadline)
+        self.conn.send_more([tail])
+        resp = self.conn.read_reply(Op.PUT, pb.PutResponse, deadline)
+        if len(resp.results) != self.n:
+            self.conn.fs.broken = True
+            raise TransportError(f"{len(resp.results)} results for {self.n} values")
+        return [
+            None if not k else error_of(r.error) or r.stored
+            for r, k in zip(resp.results, keep, strict=True)
+        ]
+
+    def abort(self, deadline: float) -> None:
+        """The frame cannot be cut short in step: the connection goes, and the server,
+        its stream ended early, releases every reservation."""
+        self.conn.fs.broken = True

@@ -1,0 +1,176 @@
+"""Layer-by-layer writes: store a batch of KV blocks one layer range at a time.
+
+A prefill engine computes a block's KV layer by layer, so a save that waits for the
+last layer starts its transfer only after the forward pass. :class:`LayeredPut`
+sends each layer range as soon as the caller has it, while later layers are still
+computed, and commits every block once at the end::
+
+    shape = (layers, 2, heads, tokens, dim)
+    with client.begin_layers(keys, shape=shape, dtype=torch.bfloat16) as w:
+        for layer in range(layers):
+            w.write(layer, per_block_kv(layer))  # one (1, 2, heads, tokens, dim) per key
+        results = w.commit()
+
+The contract (README, "Layer-by-layer writes"):
+
+- The stored block is the one a whole put of the same bytes stores: one object, its
+  xxh3 over every layer, computed here as the layers pass and checked by the node at the
+  commit. Nothing is visible before :meth:`LayeredPut.commit`; a reader never sees a
+  block with a layer missing.
+- Layers come in order, each range starting where the previous ended, and every layer
+  must be written before the commit (the checksum is a stream over them).
+- ``commit(keep=...)`` withdraws items: an engine that learns mid-forward that a
+  request's KV is wrong (its load failed) drops those blocks and stores the rest.
+- :meth:`LayeredPut.abort`, or leaving the ``with`` block without a commit, stores
+  nothing and frees every reservation. So does a writer that dies: the server's stream
+  ends early and it aborts.
+- The write holds one connection from start to commit. Each layer must reach the server
+  within ``put_grace_s`` plus its size at ``put_floor_bytes`` a second of the previous
+  (the server's stalled-put rule), and a same-host write's reservation lives at most
+  ``lease_ttl_s``. There is no retry: the bytes already sent are not kept.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvstore.blocks import KIND_NUMPY, KIND_TORCH, ValueInfo, checksum_stream, describe, host_bytes
+from kvstore.client.transport.base import LayerSink, Link, Links
+from kvstore.errors import InvalidValue, KVStoreError, ReservationError
+from kvstore.layout import DTYPE_SIZES
+
+__all__ = ["LayeredPut", "block_info"]
+
+
+def block_info(shape: Sequence[int], dtype: Any) -> ValueInfo:
+    """The ValueInfo of a block of ``shape`` and ``dtype`` (a torch dtype stores a
+    tensor, read back as one; a numpy dtype or a name stores an array)."""
+    text = str(dtype)
+    kind = KIND_TORCH if text.startswith("torch.") else KIND_NUMPY
+    name = text.removeprefix("torch.")
+    if name not in DTYPE_SIZES:
+        raise InvalidValue(f"unsupported dtype {dtype!r}")
+    dims = tuple(int(d) for d in shape)
+    if not dims or any(d <= 0 for d in dims):
+        raise InvalidValue(f"a block's shape needs positive dimensions, got {dims}")
+    n = DTYPE_SIZES[name]
+    for d in dims:
+        n *= d
+    return ValueInfo(name, dims, kind, n)
+
+
+class LayeredPut:
+    """One layer-by-layer write of a batch of blocks of one shape, over one link.
+
+    Made by ``NodeClient.begin_layers``. Not thread-safe: one writer thread at a time.
+    """
+
+    def __init__(
+        self,
+        links: Links,
+        keys: Sequence[bytes],
+        info: ValueInfo,
+        start: Callable[[Link, float], LayerSink],
+        timeout_s: float,
+    ) -> None:
+        self.keys = list(keys)
+        self.info = info
+        self.layers = info.shape[0]
+        self.per_layer = info.nbytes // self.layers
+        self._links, self._timeout = links, timeout_s
+        self._sums = [checksum_stream() for _ in self.keys]
+        self._next = 0  # the first layer not yet written
+        self._done = False
+        self._link: Link | None = links.lend(self._deadline())
+        try:
+            self._sink = start(self._link, self._deadline())
+        except BaseException:
+            self._give_back()
+            raise
+
+    def __enter__(self) -> LayeredPut:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._done:
+            self.abort()
+
+    @property
+    def written(self) -> int:
+        """Layers written so far."""
+        return self._next
+
+    def write(self, layer: int, values: Sequence[Any]) -> None:
+        """Layers ``[layer, layer + k)`` of every block, in key order: each value a
+        contiguous tensor or array of the block's dtype holding ``k`` layers (the
+        block's shape with its first dimension ``k``); ``k`` is the same for all."""
+        self._check_live()
+        if layer != self._next:
+            raise InvalidValue(f"layer {layer} written after layers [0, {self._next})")
+        if len(values) != len(self.keys):
+            raise InvalidValue(f"{len(values)} values for {len(self.keys)} keys")
+        parts, k = [], 0
+        for v in values:
+            got = describe(v)
+            if got.dtype != self.info.dtype or got.shape[1:] != self.info.shape[1:]:
+                raise InvalidValue(
+                    f"a layer range of {got.dtype}{list(got.shape)} for blocks of "
+                    f"{self.info.dtype}{list(self.info.shape)}"
+                )
+            k = k or got.shape[0]
+            if got.shape[0] != k or layer + k > self.layers:
+                raise InvalidValue(f"layers [{layer}, {layer + got.shape[0]}) of {self.layers}")
+            parts.append(host_bytes(v))
+        per = self.per_layer
+        try:
+            for j in range(k):  # the wire order: layer by layer, each item within it
+                self._sink.send([p[j * per : (j + 1) * per] for p in parts], self._deadline())
+        except BaseException:
+            self.abort()
+            raise
+        for h, part in zip(self._sums, parts, strict=True):
+            h.update(part)  # after the send: hashed while the server receives
+        self._next = layer + k
+
+    def commit(self, keep: Sequence[bool] | None = None) -> list[bool | KVStoreError | None]:
+        """Store every block whose ``keep`` is true (all by default): per key True
+        (stored), False (stored already), None (withdrawn) or its error."""
+        self._check_live()
+        if self._next != self.layers:
+            raise InvalidValue(f"commit after layers [0, {self._next}) of {self.layers}")
+        flags = [True] * len(self.keys) if keep is None else [bool(k) for k in keep]
+        if len(flags) != len(self.keys):
+            raise InvalidValue(f"{len(flags)} keep flags for {len(self.keys)} keys")
+        sums = [h.intdigest() for h in self._sums]
+        self._done = True
+        try:
+            return list(self._sink.finish(sums, flags, self._deadline()))
+        except BaseException:
+            self._sink.abort(self._deadline())
+            raise
+        finally:
+            self._give_back()
+
+    def abort(self) -> None:
+        """Store nothing of this write and free its reservations; idempotent."""
+        if self._link is None:
+            return
+        self._done = True
+        try:
+            self._sink.abort(self._deadline())
+        finally:
+            self._give_back()
+
+    def _check_live(self) -> None:
+        if self._done:
+            raise ReservationError("this layer-by-layer write was already committed or aborted")
+
+    def _give_back(self) -> None:
+        link, self._link = self._link, None
+        if link is not None:
+            self._links.give_back(link)
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self._timeout
