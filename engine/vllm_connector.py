@@ -30,9 +30,12 @@ Worker side: ``start_load_kv`` starts the step's loads (every request's hits in 
 batch per layer, engine/vllm_loads.py): layer by layer in the background with
 ``layerwise`` (the default), each attention layer's ``wait_for_layer_load`` waiting for
 its own layer only, so the forward starts once layer 0 has landed; whole blocks before
-the forward without it. ``wait_for_save`` writes the step's new full blocks after the
-forward, skipping those the store already holds (saves are synchronous, so vLLM may free
-a finished request's pages at once; layer-by-layer saves are not there yet). A block
+the forward without it. Saves of the step's new full prompt blocks go layer by layer
+with ``layerwise_save`` (the default, engine/vllm_saves.py): ``save_kv_layer`` hands each
+layer to a background saver as soon as attention has written it, and ``wait_for_save``
+commits; without it ``wait_for_save`` gathers and puts whole blocks. Either way the
+saves are done when ``wait_for_save`` returns, so vLLM may free a finished request's
+pages at once, and the store skips blocks it already holds. A block
 that fails to load (miss, corrupt, store down) is reported through
 ``get_block_ids_with_load_errors``; vLLM then recomputes from it, so the failure costs
 time, never a request or a wrong token. That needs vLLM's
@@ -63,6 +66,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from engine.vllm_loads import BlockTransfer, StepLoad
 from engine.vllm_paged import PagedKV, PageLayout, probe_page_layout
+from engine.vllm_saves import StepSave
 from engine.vllm_store import (
     BlockStore,
     ConnectorConfig,
@@ -220,6 +224,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._layer_of: dict[str, int] = {}  # attention layer name -> layer index
         self._step: StepLoad | None = None  # this step's loads, until settled
         self._loader: ThreadPoolExecutor | None = None  # the layer-wise load thread
+        self._saver: ThreadPoolExecutor | None = None  # the layer-wise save thread
+        self._save: StepSave | None = None  # this step's layer-wise saves, until committed
+        self._save_checked = False  # this step's saves looked at (by the first layer)
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()
         logger.info(
@@ -340,6 +347,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._layer_of = {n: i for i, n in enumerate(names)}
         if self.config.layerwise and self.load_enabled:
             self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load")
+        if self.config.layerwise_save and self.save_enabled:
+            self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvstore-save")
         logger.info("KVStoreConnector: pages in the %s order, stored canonical (%s path)",
                     page.name, "structured" if page.structured else "indexed")  # fmt: skip
 
@@ -390,31 +399,59 @@ class KVStoreConnector(KVConnectorBase_V1):
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        """Saves happen in wait_for_save, once every layer of a block is computed."""
+        """This layer of the step's new blocks is in its pages: with ``layerwise_save``,
+        hand it to the background saver (engine/vllm_saves.py), which sends it while
+        the forward computes the next layers."""
+        if self._saver is None:
+            return
+        if not self._save_checked:
+            self._save_checked = True
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, KVStoreConnectorMetadata)
+            if meta.saves and self.store.available:
+                paged = self._paged
+                assert paged is not None, "register_kv_caches was not called"
+                chunk = self.config.max_blocks_per_call
+                self._save = StepSave(meta.saves, self.store, paged, chunk, self._saver)
+                self.stats.layerwise_saves += 1
+        if self._save is not None:
+            self._save.layer(self._layer_of[layer_name])
 
     def wait_for_save(self) -> None:
-        """Write the step's completed prompt blocks (the scheduler left out those the
-        store held at lookup; the store skips the copy of any other it already has)."""
+        """Finish the step's saves: commit the layer-by-layer ones, or write the
+        completed prompt blocks whole (the scheduler left out those the store held at
+        lookup; the store skips the copy of any other it already has)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
         self._settle()
         # A request whose load failed this step attended to pages that were never
         # filled, so none of its new KV may be saved.
-        saves = [t for t in meta.saves if t.req_id not in self._failed_reqs]
-        self._failed_reqs.clear()
+        failed, self._failed_reqs = self._failed_reqs, set()
+        step, self._save, self._save_checked = self._save, None, False
+        if step is not None:
+            t0 = time.perf_counter()
+            new, present, withdrawn = step.finish(failed)
+            self.stats.save_wait_us += int((time.perf_counter() - t0) * 1e6)
+            self.stats.saved_blocks += new
+            self.stats.present_blocks += present
+            self.stats.withdrawn_blocks += withdrawn
+            return
+        saves = [t for t in meta.saves if t.req_id not in failed]
         keys = [k for t in saves for k in t.keys]
         ids = [b for t in saves for b in t.block_ids]
         if not keys:
             return
         paged = self._paged
         assert paged is not None, "register_kv_caches was not called"
+        t0 = time.perf_counter()
         for part in _chunks(len(keys), self.config.max_blocks_per_call):
             if not self.store.available:
-                return  # the store is down: these blocks stay unsaved
+                break  # the store is down: these blocks stay unsaved
             blocks = paged.gather(ids[part])
             new, present = self.store.put(keys[part], [blocks[j] for j in range(len(blocks))])
             self.stats.saved_blocks += new
             self.stats.present_blocks += present
+        self.stats.save_wait_us += int((time.perf_counter() - t0) * 1e6)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Pages promised by the scheduler that were not filled; vLLM recomputes them."""
@@ -427,6 +464,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._settle()
         if self._loader is not None:
             self._loader.shutdown(wait=True)
+        if self._saver is not None:
+            self._saver.shutdown(wait=True)
         logger.info("KVStoreConnector (%s) stats: %s", self.role.name.lower(),
                     self.stats.as_dict())  # fmt: skip
         self.store.close()

@@ -209,6 +209,8 @@ class PagedKV:
         self._staging = torch.empty((0, *self.block_shape), dtype=self.dtype)
         self._layer_staging = torch.empty((0, 1, *self.block_shape[1:]), dtype=self.dtype)
         self._scratch = torch.empty((len(layers), 0, H, 2, B * D), dtype=self.dtype)
+        self._save_out = torch.empty((0, 1, *self.block_shape[1:]), dtype=self.dtype)
+        self._save_scratch = torch.empty((1, 0, H, 2, B * D), dtype=self.dtype)
 
     def reserve(self, n: int) -> None:
         """Allocate and touch the buffers for ``n`` blocks now (at engine start), so the
@@ -243,13 +245,34 @@ class PagedKV:
         staging buffer, valid until the next gather or staging call)."""
         n = len(block_ids)
         out = self.staging(n)
+        return self._gather(block_ids, 0, out, self._scratch[:, :n])
+
+    def gather_layer(self, block_ids: Sequence[int], layer: int) -> torch.Tensor:
+        """Layer ``layer`` of the blocks as ``[n, 1, 2, H, B, D]``, canonical, in the
+        layer-wise saver's own buffers (valid until its next call): the saver gathers
+        beside the forward and beside the loader, so it shares no buffer with them."""
+        if not 0 <= layer < self.block_shape[0]:
+            raise ValueError(f"layer {layer} of {self.block_shape[0]}")
+        n = len(block_ids)
+        if self._save_out.shape[0] < n:
+            H, BD = self._scratch.shape[2], self._scratch.shape[4]
+            self._save_out = torch.zeros((n, 1, *self.block_shape[1:]), dtype=self.dtype)
+            self._save_scratch = torch.zeros((1, n, H, 2, BD), dtype=self.dtype)
+        return self._gather(block_ids, layer, self._save_out[:n], self._save_scratch[:, :n])
+
+    def _gather(
+        self, block_ids: Sequence[int], first: int, out: torch.Tensor, scratch: torch.Tensor
+    ) -> torch.Tensor:
+        """Layers [first, first + k) of the blocks into ``out`` (``[n, k, 2, H, B, D]``),
+        through ``scratch`` (``[k, n, H, 2, B*D]``, page order)."""
+        n = len(block_ids)
         if n == 0:
             return out
         idx = self._ids(block_ids)
-        scratch = self._scratch[:, :n]  # [L, n, H, 2, B*D], page order
-        for li, pages in enumerate(self._pages):
+        L = scratch.shape[0]  # the layers gathered
+        for li, pages in enumerate(self._pages[first : first + L]):
             torch.index_select(pages, 0, idx, out=scratch[li])
-        L, _, H, _, BD = scratch.shape
+        _, _, H, _, BD = scratch.shape
         B, D = self.block_shape[3], self.block_shape[4]
         key, value = self.page.key, self.page.value
         if key is not None and value is not None:

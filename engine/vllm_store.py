@@ -19,7 +19,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol, TypeVar
 
-from kvstore.errors import ConfigError, KVStoreError
+from kvstore.blocks import ValueInfo, host_bytes
+from kvstore.client.layered import block_info
+from kvstore.errors import ConfigError, InvalidValue, KVStoreError
 from kvstore.keys import Namespace
 from kvstore.node.store import StoreNode
 
@@ -27,6 +29,7 @@ __all__ = [
     "BlockStore",
     "ConnectorConfig",
     "ConnectorStats",
+    "LayerWriter",
     "NodeStore",
     "ResilientStore",
     "open_client",
@@ -36,6 +39,16 @@ __all__ = [
 log = logging.getLogger("vllm.kvstore")
 T = TypeVar("T")
 MATCH_SLICE = 512  # keys per match_prefix call: 16k tokens of 32-token blocks
+
+
+class LayerWriter(Protocol):
+    """A layer-by-layer write (kvstore.client.layered.LayeredPut's interface)."""
+
+    def write(self, layer: int, values: Sequence[Any]) -> None: ...
+
+    def commit(self, keep: Sequence[bool] | None = None) -> list[Any]: ...
+
+    def abort(self) -> None: ...
 
 
 class BlockStore(Protocol):
@@ -57,6 +70,10 @@ class BlockStore(Protocol):
     ) -> list[Any]: ...
 
     def match_prefix(self, keys: Sequence[bytes]) -> int: ...
+
+    def begin_layers(
+        self, keys: Sequence[bytes], *, shape: Sequence[int], dtype: Any
+    ) -> LayerWriter: ...
 
     def remove(self, keys: Sequence[bytes]) -> int: ...
 
@@ -80,6 +97,9 @@ class ConnectorConfig:
         layerwise: load a step's hits layer by layer in the background, each attention
             layer waiting for its own layer only, so the forward starts once layer 0 has
             landed; False loads whole blocks before the forward (the comparison point).
+        layerwise_save: save each layer of a step's new blocks as the forward produces
+            it, in the background (kvstore's layer-by-layer write), and commit them in
+            ``wait_for_save``; False gathers and puts whole blocks in ``wait_for_save``.
         transport: ``auto``, ``shm`` or ``tcp`` (see kvstore.config.ClientConfig).
         verify: xxh3-check every block copied out of the server's shared memory, as
             over TCP. On by default (~13 us per 720 KiB block): loaded KV goes straight
@@ -95,6 +115,7 @@ class ConnectorConfig:
     retry_after_s: float = 5.0
     max_blocks_per_call: int = 64
     layerwise: bool = True
+    layerwise_save: bool = True
     transport: str = "auto"
     verify: bool = True
 
@@ -144,6 +165,9 @@ class ConnectorStats:
     failed_blocks: int = 0  # promised but not loaded (miss, corrupt, store down)
     saved_blocks: int = 0
     present_blocks: int = 0  # blocks put that the store already held
+    layerwise_saves: int = 0  # steps whose saves went layer by layer beside the forward
+    withdrawn_blocks: int = 0  # layer-wise saves dropped at the commit (their load failed)
+    save_wait_us: int = 0  # time wait_for_save spent finishing the step's saves
     store_errors: int = 0  # whole calls that failed (down, timeout, protocol)
     skipped_calls: int = 0  # calls not made while the store was marked down
 
@@ -186,11 +210,56 @@ class NodeStore:
     def match_prefix(self, keys: Sequence[bytes]) -> int:
         return self.node.match_prefix(keys)
 
+    def begin_layers(
+        self, keys: Sequence[bytes], *, shape: Sequence[int], dtype: Any
+    ) -> LayerWriter:
+        return _NodeLayers(self.node, self.namespace, keys, block_info(shape, dtype))
+
     def remove(self, keys: Sequence[bytes]) -> int:
         return self.node.remove(keys)
 
     def close(self) -> None:
         """The node belongs to its creator; nothing to release here."""
+
+
+class _NodeLayers:
+    """A layer-by-layer write into an in-process node: reservations filled in place."""
+
+    def __init__(
+        self, node: StoreNode, namespace: Namespace, keys: Sequence[bytes], info: ValueInfo
+    ) -> None:
+        self.node, self.per = node, info.nbytes // info.shape[0]
+        self.slots = [node.reserve(k, info, namespace=namespace) for k in keys]
+        self.next = 0
+
+    def write(self, layer: int, values: Sequence[Any]) -> None:
+        if layer != self.next:
+            raise InvalidValue(f"layer {layer} written after layers [0, {self.next})")
+        k = 0
+        for res, v in zip(self.slots, values, strict=True):
+            src = host_bytes(v)
+            k = src.nbytes // self.per
+            if res is not None:
+                res.payload[layer * self.per : layer * self.per + src.nbytes] = src
+        self.next += k
+
+    def commit(self, keep: Sequence[bool] | None = None) -> list[Any]:
+        flags = [True] * len(self.slots) if keep is None else list(keep)
+        out: list[Any] = []
+        for res, k in zip(self.slots, flags, strict=True):
+            if res is None:
+                out.append(False)
+            elif not k:
+                self.node.abort(res)
+                out.append(None)
+            else:
+                out.append(self.node.commit(res))
+        return out
+
+    def abort(self) -> None:
+        for res in self.slots:
+            if res is not None:
+                self.node.abort(res)
 
 
 def open_client(config: ConnectorConfig, namespace: Namespace) -> BlockStore:
@@ -358,6 +427,18 @@ class ResilientStore:
             if isinstance(r, Exception):
                 log.debug("kvstore refused a block: %s", r)
         return sum(1 for r in res if r is True), sum(1 for r in res if r is False)
+
+    def begin_layers(
+        self, keys: Sequence[bytes], *, shape: Sequence[int], dtype: Any
+    ) -> LayerWriter | None:
+        """A layer-by-layer write of ``keys``, or None when the store cannot take one
+        now. Errors of the writer's own calls go to :meth:`failed`."""
+        return self._call("save", lambda s: s.begin_layers(keys, shape=shape, dtype=dtype), None)
+
+    def failed(self, what: str, exc: Exception) -> None:
+        """A call made outside this wrapper (a layer writer's) failed: the store is
+        marked down as if it were one of this wrapper's own."""
+        self._mark_down(what, exc)
 
     def remove(self, keys: Sequence[bytes]) -> None:
         """Drop blocks that failed to load (best effort)."""

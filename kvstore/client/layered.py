@@ -33,7 +33,7 @@ The contract (README, "Layer-by-layer writes"):
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from kvstore.blocks import KIND_NUMPY, KIND_TORCH, ValueInfo, checksum_stream, describe, host_bytes
@@ -64,7 +64,8 @@ def block_info(shape: Sequence[int], dtype: Any) -> ValueInfo:
 class LayeredPut:
     """One layer-by-layer write of a batch of blocks of one shape, over one link.
 
-    Made by ``NodeClient.begin_layers``. Not thread-safe: one writer thread at a time.
+    Made by ``NodeClient.begin_layers``, which starts the write on a link (retried
+    like any call while nothing is sent). Not thread-safe: one writer thread at a time.
     """
 
     def __init__(
@@ -72,7 +73,8 @@ class LayeredPut:
         links: Links,
         keys: Sequence[bytes],
         info: ValueInfo,
-        start: Callable[[Link, float], LayerSink],
+        link: Link,
+        sink: LayerSink,
         timeout_s: float,
     ) -> None:
         self.keys = list(keys)
@@ -83,12 +85,8 @@ class LayeredPut:
         self._sums = [checksum_stream() for _ in self.keys]
         self._next = 0  # the first layer not yet written
         self._done = False
-        self._link: Link | None = links.lend(self._deadline())
-        try:
-            self._sink = start(self._link, self._deadline())
-        except BaseException:
-            self._give_back()
-            raise
+        self._link: Link | None = link  # given back to ``links`` at the commit or abort
+        self._sink = sink
 
     def __enter__(self) -> LayeredPut:
         return self

@@ -292,12 +292,21 @@ class NodeClient:
         scope = self._scope_for(namespace)
         layers = info.shape[0]
 
-        def start(link: Link, deadline: float) -> LayerSink:
-            conn, transport = link
-            return transport.begin_layers(conn, ks, [info] * len(ks), layers, scope, deadline)
+        pool = self._pool
+
+        def attempt(deadline: float) -> tuple[Link, LayerSink]:
+            link = pool.lend(deadline)
+            try:
+                conn, transport = link
+                sink = transport.begin_layers(conn, ks, [info] * len(ks), layers, scope, deadline)
+            except BaseException:
+                pool.give_back(link)  # a broken one is closed: the retry opens another
+                raise
+            return link, sink
 
         t = self.config.timeout_s if timeout is None else timeout
-        return LayeredPut(self._pool, ks, info, start, t)
+        link, sink = self._retry(attempt, time.monotonic() + t)  # nothing sent yet: safe
+        return LayeredPut(pool, ks, info, link, sink, t)
 
     def batch_get(
         self,

@@ -5,6 +5,8 @@ engine is a separate process (tests/support/vllm_fixtures.py): a reference engin
 without a connector, a producer (kv_producer) and two consumers (kv_consumer: one loading
 layer by layer beside the forward, the default, one loading whole blocks before it) in
 fp32, and in bf16 a reference, a kv_both engine and a consumer on another CPU kernel.
+The producer saves layer by layer beside the forward (the default); the kv_both engine
+saves whole blocks after it.
 Each test uses its own random prompts, so vLLM's local prefix cache and earlier tests'
 blocks never explain a hit.
 
@@ -92,7 +94,13 @@ def engines(root: Path, store: ServerProcess) -> Iterator[dict[str, EngineProces
         # compared against (every other consumer loads layer by layer).
         "whole32": EngineSpec(model, role="kv_consumer", extra={**extra, "layerwise": False}),
         "ref16": EngineSpec(model, dtype="bfloat16"),
-        "both16": EngineSpec(model, dtype="bfloat16", role="kv_both", extra=extra),
+        # Saves whole blocks after the forward (prod32 saves layer by layer beside it).
+        "both16": EngineSpec(
+            model,
+            dtype="bfloat16",
+            role="kv_both",
+            extra={**extra, "layerwise_save": False},
+        ),
         # Decode on other hardware: a consumer forced onto a kernel both16 does not run
         # (both16 runs vec here, amx on an AMX machine), so their pages differ.
         "cons16": EngineSpec(
@@ -187,6 +195,8 @@ def test_consumer_loads_what_producer_stored(engines: dict[str, EngineProcess]) 
     assert out["cached"] == usable_blocks(300) * BLOCK == 288
     assert worker(engines["cons32"])["loaded_blocks"] - before["loaded_blocks"] == 9
     assert ref["cached"] == 0
+    # prod32 saved those blocks layer by layer beside its forward
+    assert worker(engines["prod32"])["layerwise_saves"] > 0
 
 
 def test_layer_by_layer_and_whole_block_loads_give_the_same_tokens(
@@ -251,6 +261,8 @@ def test_bf16_save_then_load_in_one_engine(engines: dict[str, EngineProcess]) ->
     assert first["cached"] == 0
     assert second["cached"] == usable_blocks(250) * BLOCK
     assert worker(both)["loaded_blocks"] - before["loaded_blocks"] == usable_blocks(250)
+    assert before["saved_blocks"] >= usable_blocks(250)  # whole blocks after the forward
+    assert before["layerwise_saves"] == 0
 
 
 def test_blocks_cross_attention_kernels(engines: dict[str, EngineProcess]) -> None:

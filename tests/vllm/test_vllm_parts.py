@@ -288,6 +288,8 @@ def check_round_trip(write: Any, layout: KVLayout, dtype: torch.dtype) -> PageLa
     paged = PagedKV(layers, layout, page)
     assert torch.equal(paged.gather(page_ids), blocks)
     assert torch.equal(paged.gather([3]), blocks[3:])
+    for li in range(layout.layers):  # the layer-wise saver's gather, each layer alone
+        assert torch.equal(paged.gather_layer(page_ids, li), blocks[:, li : li + 1])
     empty = [torch.zeros_like(t) for t in layers]
     PagedKV(empty, layout, page).scatter(blocks, page_ids)
     assert all(torch.equal(a, b) for a, b in zip(empty, layers, strict=True))
@@ -449,3 +451,82 @@ def test_a_steps_loads_land_layer_by_layer_or_whole_and_fail_per_request(
         finally:
             if pool is not None:
                 pool.shutdown()
+
+
+def test_a_steps_saves_go_layer_by_layer_and_withdraw_failed_requests() -> None:
+    """engine/vllm_saves.py over an in-process store and real page tensors: each layer
+    handed over is sent beside the forward, a layer never handed over is sent at the
+    end, the commit stores whole canonical blocks, and a request whose load failed
+    has its blocks withdrawn."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from engine.vllm_loads import BlockTransfer
+    from engine.vllm_saves import StepSave
+
+    ns = Namespace("tiny-saves", "float32:L3:H2:D32:B32:R0")
+    layout = KVLayout.parse(ns.layout)
+    page = probe_page_layout(reference_writer("vec"), torch.float32, layout)
+    blocks = torch.randn(4, *layout.block_shape())
+    keys = list(prefix_keys(range(4 * 32), 32, ns))
+    pages = kernel_pages(reference_writer("vec"), blocks, 8, [5, 6, 0, 3])
+    paged = PagedKV(pages, layout, page)
+    items = [BlockTransfer("a", keys[:3], [5, 6, 0]), BlockTransfer("b", keys[3:], [3])]
+    pool = ThreadPoolExecutor(1)
+    with StoreNode(dram_bytes="4MiB") as node:
+        rs = resilient(NodeStore(node, ns), Clock())
+        try:
+            step = StepSave(items, rs, paged, chunk=2, executor=pool)
+            step.layer(0)
+            step.layer(1)  # layer 2 never handed over: finish sends it
+            assert node.match_prefix(keys) == 0  # nothing visible before the commit
+            assert step.finish({"b"}) == (3, 0, 1)
+            # the same blocks again: stored already
+            again = StepSave(items[:1], rs, paged, chunk=8, executor=pool)
+            assert again.finish(set()) == (0, 3, 0)
+        finally:
+            pool.shutdown()
+        outs = [torch.empty(layout.block_shape()) for _ in keys]
+        assert node.batch_get_into(keys, outs, namespace=ns) == [True, True, True, False]
+        for i in range(3):
+            assert torch.equal(outs[i], blocks[i])
+        assert rs.stats.store_errors == 0
+
+
+def test_a_save_whose_store_fails_stores_nothing_and_marks_it_down() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from engine.vllm_loads import BlockTransfer
+    from engine.vllm_saves import StepSave
+
+    ns = Namespace("tiny-saves-down", "float32:L2:H2:D32:B32:R0")
+    layout = KVLayout.parse(ns.layout)
+    page = probe_page_layout(reference_writer("vec"), torch.float32, layout)
+    pages = kernel_pages(reference_writer("vec"), torch.randn(1, *layout.block_shape()), 4, [1])
+    keys = list(prefix_keys(range(32), 32, ns))
+
+    class FailingWrites(NodeStore):
+        def begin_layers(self, keys: Sequence[bytes], *, shape: Any, dtype: Any) -> Any:
+            w = super().begin_layers(keys, shape=shape, dtype=dtype)
+            real = w.write
+
+            def write(layer: int, values: Any) -> None:
+                if layer == 1:
+                    raise Unavailable("store went away (test)")
+                real(layer, values)
+
+            w.write = write  # type: ignore[method-assign]
+            return w
+
+    pool = ThreadPoolExecutor(1)
+    with StoreNode(dram_bytes="4MiB") as node:
+        rs = resilient(FailingWrites(node, ns), Clock())
+        try:
+            used = node.stats()["tiers"]["dram"]["used"]
+            step = StepSave([BlockTransfer("a", keys, [1])], rs, PagedKV(pages, layout, page),
+                            chunk=8, executor=pool)  # fmt: skip
+            assert step.finish(set()) == (0, 0, 0)
+        finally:
+            pool.shutdown()
+        assert node.match_prefix(keys) == 0
+        assert node.stats()["tiers"]["dram"]["used"] == used  # the reservation is freed
+        assert rs.stats.store_errors == 1 and not rs.available

@@ -1,0 +1,126 @@
+"""One engine step's saves from vLLM's pages into kvstore, layer by layer beside the
+forward.
+
+vLLM calls the connector's ``save_kv_layer`` after each attention layer has written
+this step's KV into its pages. :class:`StepSave` hands that layer of every block the
+step completes to a background thread, which gathers it out of the pages into the
+canonical layout and sends it to the store (kvstore's layer-by-layer write,
+kvstore/client/layered.py), while the forward computes the next layers. ``finish``
+(from ``wait_for_save``) waits for the last layer and commits: the blocks become
+visible in the store once, whole, with one checksum each.
+
+A request whose load failed in this step attended to pages that were never filled, so
+its new blocks are withdrawn at the commit (``keep``), never stored. A layer vLLM did
+not hand over (a model whose attention layers do not all call the hook) is gathered and
+sent at ``finish``, so the write always covers every layer. A store that fails mid-way
+costs this step's saves only: the write is aborted and nothing partial is visible.
+
+Concurrency: the saver thread reads only pages of the blocks being saved, after the
+layer that wrote them has run; vLLM may free those pages only after ``wait_for_save``
+returns, which waits for the saver.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from engine.vllm_loads import BlockTransfer
+from engine.vllm_paged import PagedKV
+from engine.vllm_store import LayerWriter, ResilientStore
+
+__all__ = ["StepSave"]
+
+log = logging.getLogger("vllm.kvstore")
+
+
+class StepSave:
+    """The saves of one step: ``layer(l)`` as each layer is computed, ``finish`` after
+    the forward."""
+
+    def __init__(
+        self,
+        items: Sequence[BlockTransfer],
+        store: ResilientStore,
+        paged: PagedKV,
+        chunk: int,
+        executor: ThreadPoolExecutor,
+    ) -> None:
+        self.items = list(items)
+        self._keys = [k for it in self.items for k in it.keys]
+        self._ids = [b for it in self.items for b in it.block_ids]
+        self._owner = [it.req_id for it in self.items for _ in it.keys]
+        self._store, self._paged, self._chunk = store, paged, chunk
+        self._layers = paged.layout.layers
+        self._next = 0  # layers handed to the saver thread
+        self._writers: list[tuple[range, LayerWriter]] = []
+        self._dead = False  # the store failed: nothing more is sent, nothing committed
+        self._executor = executor
+        executor.submit(self._open)
+
+    # -- the saver thread -------------------------------------------------------------
+
+    def _open(self) -> None:
+        shape, dtype = self._paged.block_shape, self._paged.dtype
+        for start in range(0, len(self._keys), self._chunk):
+            part = range(start, min(start + self._chunk, len(self._keys)))
+            w = self._store.begin_layers([self._keys[i] for i in part], shape=shape, dtype=dtype)
+            if w is None:  # the store is down: this step saves nothing
+                self._fail(None)
+                return
+            self._writers.append((part, w))
+
+    def _send(self, layer: int) -> None:
+        if self._dead:
+            return
+        try:
+            for part, w in self._writers:
+                got = self._paged.gather_layer([self._ids[i] for i in part], layer)
+                w.write(layer, [got[j] for j in range(len(part))])
+        except Exception as exc:
+            self._fail(exc)
+
+    def _commit(self, failed_reqs: set[str]) -> tuple[int, int, int]:
+        if self._dead:
+            return 0, 0, 0
+        new = present = withdrawn = 0
+        try:
+            while self._writers:
+                part, w = self._writers[0]
+                keep = [self._owner[i] not in failed_reqs for i in part]
+                for r in w.commit(keep):
+                    new += r is True
+                    present += r is False
+                    withdrawn += r is None
+                    if isinstance(r, Exception):
+                        log.debug("kvstore refused a block: %s", r)
+                self._writers.pop(0)
+        except Exception as exc:
+            self._fail(exc)
+        return new, present, withdrawn
+
+    def _fail(self, exc: Exception | None) -> None:
+        self._dead = True
+        if exc is not None:
+            self._store.failed("save", exc)
+        for _, w in self._writers:
+            try:
+                w.abort()
+            except Exception:  # the write is gone either way; its error is not the news
+                log.debug("aborting a layer-by-layer save raised", exc_info=True)
+        self._writers = []
+
+    # -- the forward's side -----------------------------------------------------------
+
+    def layer(self, layer: int) -> None:
+        """Layer ``layer`` is computed: send it (and any earlier one not handed over)."""
+        while self._next <= min(layer, self._layers - 1):
+            self._executor.submit(self._send, self._next)
+            self._next += 1
+
+    def finish(self, failed_reqs: set[str]) -> tuple[int, int, int]:
+        """Send what is left, commit, and wait: (blocks stored, already present,
+        withdrawn because their request's load failed)."""
+        self.layer(self._layers - 1)
+        return self._executor.submit(self._commit, set(failed_reqs)).result()
