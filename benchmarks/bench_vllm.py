@@ -5,7 +5,11 @@ Questions answered, each with its anchor measured in the same run:
 - TTFT of a long prompt whose head (75% by default) is in the store, served by a
   consumer loading layer by layer beside the forward (the connector's default), by one
   loading whole blocks before it (``layerwise: false``), and recomputed by the same vLLM
-  build with no connector (anchor). Also: what the saver pays for the head's miss.
+  build with no connector (anchor).
+- What a saver pays for the head's miss: its TTFT saving whole blocks after the forward
+  and saving layer by layer beside it (``layerwise_save``), against the head's compute
+  alone; the share of the save hidden is (whole-save TTFT - layer-wise TTFT) / the
+  whole-block save time, timed inside the engine around ``wait_for_save``.
 - The share of the transfer hidden behind compute: (whole-block TTFT - layer-wise
   TTFT) / the whole-block load time of the head, timed inside the engine around
   ``start_load_kv`` (target: at least half).
@@ -158,7 +162,13 @@ def _engines(
         # The saver: computes each prompt's head and stores it (its saves timed).
         "kvstore": EngineSpec(
             **common, role="kv_producer", connector="TimedKVStoreConnector",
-            extra={**store, "layerwise": False},
+            extra={**store, "layerwise": False, "layerwise_save": False},
+        ),
+        # The same saves layer by layer beside the forward, under another model id (the
+        # store would skip blocks it holds already, and nothing would move).
+        "lw_saver": EngineSpec(
+            **common, role="kv_producer", connector="TimedKVStoreConnector",
+            extra={**store, "model_id": f"{geometry}-random-lw", "layerwise_save": True},
         ),
         # Two loaders of the same blocks, neither saving: whole blocks before the
         # forward (timed per block: start_load_kv returns when they are in the pages),
@@ -227,7 +237,8 @@ def _run_in(
     store = ServerProcess(root / "store", flags).start()
     engines: dict[str, Any] = {}
     rows: dict[str, list[float]] = {
-        k: [] for k in ("anchor", "miss", "ex_miss", "hit", "lw_hit", "ex_hit")
+        k: []
+        for k in ("anchor", "anchor_head", "miss", "lw_miss", "ex_miss", "hit", "lw_hit", "ex_hit")
     }
     cached: dict[str, list[int]] = {hit: [] for _, hit in HITS}
     try:
@@ -246,10 +257,13 @@ def _run_in(
             # against its KV (the same split as a load; in bf16, one pass over all of p
             # may round to another greedy token, with every loaded byte right).
             anchor.reset()
-            _ttft(anchor, p[:head])
+            t, _, _ = _ttft(anchor, p[:head])  # the head's compute, nothing saved
+            rows["anchor_head"].append(t)
             _, _, ref = _ttft(anchor, p)
             t, _, _ = _ttft(engines["kvstore"], p[:head])  # computes and saves the head
             rows["miss"].append(t)
+            t, _, _ = _ttft(engines["lw_saver"], p[:head])  # the same, saved layer-wise
+            rows["lw_miss"].append(t)
             # vLLM's example connector finds a prompt by its own tokens only: it saves p
             t, _, _ = _ttft(engines["example"], p)
             rows["ex_miss"].append(t)
@@ -294,6 +308,9 @@ def _run_in(
     g = {"wide": WIDE, "smol": SMOL}[geometry]
     ttft = {k: statistics.median(v) for k, v in rows.items()}
     load_s = per_block["kvstore"]["load_s_per_request"]
+    saves = {n: [sec for sec, b in stats[n]["saves"] if b] for n in ("kvstore", "lw_saver")}
+    save_s = statistics.median(saves["kvstore"]) if saves["kvstore"] else 0.0
+    lw_left = statistics.median(saves["lw_saver"]) if saves["lw_saver"] else 0.0
     return {"tokens": tokens, "cached_share": share, "runs": runs, "hits_per_run": hits,
             "geometry": {"name": geometry, **g}, "transport": transport,
             "ttft_s": ttft, "cached_tokens": cached, "per_block": per_block,
@@ -304,6 +321,9 @@ def _run_in(
             "layer_wait_s_per_step": stats["layerwise"]["layer_wait_us"] / 1e6
             / max(1, stats["layerwise"]["layerwise_loads"]),
             "hidden_share": (ttft["hit"] - ttft["lw_hit"]) / load_s if load_s else 0.0,
+            "save_s_per_request": save_s, "lw_save_left_s_per_request": lw_left,
+            "layerwise_saves": stats["lw_saver"]["layerwise_saves"],
+            "save_hidden_share": (ttft["miss"] - ttft["lw_miss"]) / save_s if save_s else 0.0,
             "block_bytes": g["layers"] * 2 * g["kv_heads"] * 32 * g["head_dim"] * 2}  # fmt: skip
 
 
@@ -322,16 +342,22 @@ def _print(res: dict[str, Any]) -> None:
         (f"kvstore, layer-wise loads ({c['lw_hit']} tokens loaded)", t["lw_hit"]),
         (f"kvstore, whole-block loads ({c['hit']} tokens loaded)", t["hit"]),
         (f"vLLM ExampleConnector ({c['ex_hit']} tokens loaded)", t["ex_hit"]),
-        ("kvstore miss of the stored head (compute + save)", t["miss"]),
+        ("compute of the head alone (no connector)", t["anchor_head"]),
+        ("kvstore miss of the head, whole-block saves", t["miss"]),
+        ("kvstore miss of the head, layer-wise saves", t["lw_miss"]),
         ("ExampleConnector miss (compute + save, whole prompt)", t["ex_miss"]),
     ]
     for label, v in lines:
         print(f"{label:52} {v:9.3f} {t['anchor'] / v:12.2f}x")
     load = pb["kvstore"]["load_s_per_request"]
-    print(f"whole-block load of the stored head: {load:.3f} s; layer-wise saves "
+    print(f"whole-block load of the stored head: {load:.3f} s; layer-wise loads save "
           f"{t['hit'] - t['lw_hit']:.3f} s of TTFT: {res['hidden_share']:.0%} of the transfer "
           f"hidden behind compute ({res['layerwise_loads']} layer-wise steps; the forward "
           f"waited {res['layer_wait_s_per_step']:.3f} s a step for layers to land)")  # fmt: skip
+    print(f"whole-block save of the head: {res['save_s_per_request']:.3f} s after the forward; "
+          f"layer-wise saves left {res['lw_save_left_s_per_request']:.3f} s after it and cut "
+          f"the miss's TTFT by {t['miss'] - t['lw_miss']:.3f} s: {res['save_hidden_share']:.0%} "
+          f"of the save hidden ({res['layerwise_saves']} layer-wise steps)")  # fmt: skip
     print(f"{'per block':52} {'load ms':>9} {'save ms':>10}")
     for name, label in (("example", "anchor: vLLM ExampleConnector (files)"),
                         ("kvstore", f"kvstore ({res['transport']})")):  # fmt: skip

@@ -4,7 +4,8 @@ Two small ABCs, each a real seam with socket implementations here and an in-memo
 in the tests (tests/support/memory_net.py):
 
 - :class:`Transport` is the byte mover of one kind of link: ``read`` / ``write`` of a
-  batch, and the per-batch metadata questions ``exists`` / ``match_prefix``. Which
+  batch, ``begin_layers`` of a write filled layer by layer (a :class:`LayerSink`), and
+  the per-batch metadata questions ``exists`` / ``match_prefix``. Which
   server, which connection, retries and deadlines belong to the client; the index of
   what is stored belongs to the node.
 - :class:`Links` lends a link (the connection a transport speaks over) with its
