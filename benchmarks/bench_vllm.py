@@ -26,12 +26,16 @@ and serves the prompt from its store, all interleaved so that they see the same 
 this shared machine. Reported: medians. Runs in .venv-vllm (``make bench-vllm``):
 
     .venv-vllm/bin/python benchmarks/bench_vllm.py [--runs 3] [--hits 3] [--tokens 3072]
+
+``--compute-cores N`` binds every engine's forward to N cores, leaving the others to the
+connector's load and save threads: how vLLM deploys a CPU engine with a KV connector.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -235,6 +239,8 @@ def _run_in(
     (root / "store").mkdir()
     flags = {**base_flags(root / "store"), "dram_bytes": "3GiB"}
     store = ServerProcess(root / "store", flags).start()
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:  # --compute-cores: the store is off them
+        _pin_process(store.pid, os.sched_getaffinity(0) - _team_cores())
     engines: dict[str, Any] = {}
     rows: dict[str, list[float]] = {
         k: []
@@ -260,10 +266,11 @@ def _run_in(
             t, _, _ = _ttft(anchor, p[:head])  # the head's compute, nothing saved
             rows["anchor_head"].append(t)
             _, _, ref = _ttft(anchor, p)
-            t, _, _ = _ttft(engines["kvstore"], p[:head])  # computes and saves the head
-            rows["miss"].append(t)
-            t, _, _ = _ttft(engines["lw_saver"], p[:head])  # the same, saved layer-wise
-            rows["lw_miss"].append(t)
+            # computes and saves the head, whole blocks and layer by layer, in turns
+            savers = [("kvstore", "miss"), ("lw_saver", "lw_miss")]
+            for name, row in savers if r % 2 == 0 else savers[::-1]:
+                t, _, _ = _ttft(engines[name], p[:head])
+                rows[row].append(t)
             # vLLM's example connector finds a prompt by its own tokens only: it saves p
             t, _, _ = _ttft(engines["example"], p)
             rows["ex_miss"].append(t)
@@ -313,6 +320,7 @@ def _run_in(
     lw_left = statistics.median(saves["lw_saver"]) if saves["lw_saver"] else 0.0
     return {"tokens": tokens, "cached_share": share, "runs": runs, "hits_per_run": hits,
             "geometry": {"name": geometry, **g}, "transport": transport,
+            "compute_cores": os.environ.get("OMP_NUM_THREADS", "all"),
             "ttft_s": ttft, "cached_tokens": cached, "per_block": per_block,
             "layerwise_loads": stats["layerwise"]["layerwise_loads"],
             "loader_counters": {n: {k: stats[n][k] for k in ("loaded_blocks", "failed_blocks",
@@ -323,6 +331,8 @@ def _run_in(
             "hidden_share": (ttft["hit"] - ttft["lw_hit"]) / load_s if load_s else 0.0,
             "save_s_per_request": save_s, "lw_save_left_s_per_request": lw_left,
             "layerwise_saves": stats["lw_saver"]["layerwise_saves"],
+            "save_layer_s_per_step": stats["lw_saver"]["save_layer_us"] / 1e6
+            / max(1, stats["lw_saver"]["layerwise_saves"]),
             "save_hidden_share": (ttft["miss"] - ttft["lw_miss"]) / save_s if save_s else 0.0,
             "block_bytes": g["layers"] * 2 * g["kv_heads"] * 32 * g["head_dim"] * 2}  # fmt: skip
 
@@ -334,7 +344,7 @@ def _print(res: dict[str, Any]) -> None:
           f"random bf16 Llama, {g['layers']} layers x {g['kv_heads']} KV heads x "
           f"{g['head_dim']}, CPU; store over {res['transport']}; medians of {res['runs']} "
           f"runs ({res['hits_per_run']} hits each, interleaved); block = 32 tokens = "
-          f"{kib:.0f} KiB")  # fmt: skip
+          f"{kib:.0f} KiB; the forward on {res['compute_cores']} cores")  # fmt: skip
     print(f"{'TTFT':52} {'seconds':>9} {'vs recompute':>13}")
     c = {k: "/".join(str(n) for n in sorted(set(v))) for k, v in res["cached_tokens"].items()}
     lines = [
@@ -357,7 +367,8 @@ def _print(res: dict[str, Any]) -> None:
     print(f"whole-block save of the head: {res['save_s_per_request']:.3f} s after the forward; "
           f"layer-wise saves left {res['lw_save_left_s_per_request']:.3f} s after it and cut "
           f"the miss's TTFT by {t['miss'] - t['lw_miss']:.3f} s: {res['save_hidden_share']:.0%} "
-          f"of the save hidden ({res['layerwise_saves']} layer-wise steps)")  # fmt: skip
+          f"of the save hidden ({res['layerwise_saves']} layer-wise steps; the forward "
+          f"spent {res['save_layer_s_per_step']:.3f} s a step gathering layers)")  # fmt: skip
     print(f"{'per block':52} {'load ms':>9} {'save ms':>10}")
     for name, label in (("example", "anchor: vLLM ExampleConnector (files)"),
                         ("kvstore", f"kvstore ({res['transport']})")):  # fmt: skip
@@ -370,6 +381,34 @@ def _print(res: dict[str, Any]) -> None:
           f"{sv:.2f}x faster")  # fmt: skip
 
 
+def _bind_compute(n: int) -> None:
+    """Give the engine children (they inherit this environment) an OpenMP team on the
+    first ``n`` cores: the settings vLLM's multiprocess executor makes for a worker
+    (vllm/utils/ompmultiprocessing.py), and ``VLLM_CPU_OMP_THREADS_BIND``, from which
+    the connector's ``transfer_cpus="auto"`` puts its threads on the other cores."""
+    cores = sorted(os.sched_getaffinity(0))
+    if not 0 < n < len(cores):
+        raise SystemExit(f"--compute-cores {n}: this machine has {len(cores)} cores")
+    team = ",".join(str(c) for c in cores[:n])
+    os.environ.update(
+        OMP_NUM_THREADS=str(n),
+        OMP_PLACES="{" + team + "}",
+        OMP_PROC_BIND="true",
+        VLLM_CPU_OMP_THREADS_BIND=team,
+    )
+
+
+def _team_cores() -> set[int]:
+    return {int(c) for c in os.environ["VLLM_CPU_OMP_THREADS_BIND"].split(",")}
+
+
+def _pin_process(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid`` onto ``cpus`` (threads it starts later inherit it): the
+    store stands for another host, whose work must not land on the engines' cores."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(task), cpus)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
@@ -378,8 +417,17 @@ def main() -> int:
     ap.add_argument("--hits", type=int, default=3, help="store hits per run and connector")
     ap.add_argument("--geometry", choices=GEOMETRIES, default="wide")
     ap.add_argument("--transport", choices=("tcp", "auto", "shm"), default="tcp")
+    ap.add_argument(
+        "--compute-cores",
+        type=int,
+        default=0,
+        help="bind every engine's OpenMP team to this many cores (0: all), as vLLM's "
+        "multiprocess executor does, leaving the rest to the connector's transfer threads",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.compute_cores:
+        _bind_compute(args.compute_cores)
     res = run(args.runs, args.tokens, args.hits, args.cached, args.geometry, args.transport)
     if args.json:
         print(json.dumps(res, indent=2))

@@ -64,6 +64,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from engine.vllm_cpus import pin_this_thread, transfer_cpus
 from engine.vllm_loads import BlockTransfer, StepLoad
 from engine.vllm_paged import PagedKV, PageLayout, probe_page_layout
 from engine.vllm_saves import StepSave
@@ -227,6 +228,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._saver: ThreadPoolExecutor | None = None  # the layer-wise save thread
         self._save: StepSave | None = None  # this step's layer-wise saves, until committed
         self._save_checked = False  # this step's saves looked at (by the first layer)
+        self._transfer_cpus: set[int] | None = None  # the load/save threads' own cores
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()
         logger.info(
@@ -345,10 +347,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._paged = PagedKV([kv_caches[n] for n in names], self.namespace.kv_layout, page)
         self._paged.reserve(self.config.max_blocks_per_call)
         self._layer_of = {n: i for i, n in enumerate(names)}
+        cpus = self._transfer_cpus = transfer_cpus(self.config.transfer_cpus)
         if self.config.layerwise and self.load_enabled:
-            self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load")
+            self._loader = ThreadPoolExecutor(1, "kvstore-load", pin_this_thread, (cpus,))
         if self.config.layerwise_save and self.save_enabled:
-            self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvstore-save")
+            self._saver = ThreadPoolExecutor(1, "kvstore-save", pin_this_thread, (cpus,))
+        if cpus is not None and (self._loader or self._saver):
+            logger.info("KVStoreConnector: transfer threads on cores %s", sorted(cpus))
         logger.info("KVStoreConnector: pages in the %s order, stored canonical (%s path)",
                     page.name, "structured" if page.structured else "indexed")  # fmt: skip
 
@@ -412,10 +417,19 @@ class KVStoreConnector(KVConnectorBase_V1):
                 paged = self._paged
                 assert paged is not None, "register_kv_caches was not called"
                 chunk = self.config.max_blocks_per_call
-                self._save = StepSave(meta.saves, self.store, paged, chunk, self._saver)
+                self._save = StepSave(
+                    meta.saves,
+                    self.store,
+                    paged,
+                    chunk,
+                    self._saver,
+                    gather_in_saver=self._transfer_cpus is not None,
+                )
                 self.stats.layerwise_saves += 1
         if self._save is not None:
+            t0 = time.perf_counter()
             self._save.layer(self._layer_of[layer_name])
+            self.stats.save_layer_us += int((time.perf_counter() - t0) * 1e6)
 
     def wait_for_save(self) -> None:
         """Finish the step's saves: commit the layer-by-layer ones, or write the

@@ -209,7 +209,9 @@ class PagedKV:
         self._staging = torch.empty((0, *self.block_shape), dtype=self.dtype)
         self._layer_staging = torch.empty((0, 1, *self.block_shape[1:]), dtype=self.dtype)
         self._scratch = torch.empty((len(layers), 0, H, 2, B * D), dtype=self.dtype)
-        self._save_out = torch.empty((0, 1, *self.block_shape[1:]), dtype=self.dtype)
+        self._save_staging = torch.empty(
+            (layout.layers, 0, *self.block_shape[1:]), dtype=self.dtype
+        )
         self._save_scratch = torch.empty((1, 0, H, 2, B * D), dtype=self.dtype)
 
     def reserve(self, n: int) -> None:
@@ -247,18 +249,32 @@ class PagedKV:
         out = self.staging(n)
         return self._gather(block_ids, 0, out, self._scratch[:, :n])
 
-    def gather_layer(self, block_ids: Sequence[int], layer: int) -> torch.Tensor:
-        """Layer ``layer`` of the blocks as ``[n, 1, 2, H, B, D]``, canonical, in the
-        layer-wise saver's own buffers (valid until its next call): the saver gathers
-        beside the forward and beside the loader, so it shares no buffer with them."""
+    def save_staging(self, n: int) -> torch.Tensor:
+        """The layer-wise saver's host buffer of ``n`` blocks, layer-major
+        ``[L, n, 2, H, B, D]`` (each layer of every block one contiguous run, the order
+        a layer-by-layer write sends), reused between steps (a step's saves end before
+        the next step's start)."""
+        if self._save_staging.shape[1] < n:
+            L, rest = self.block_shape[0], self.block_shape[1:]
+            self._save_staging = torch.zeros((L, n, *rest), dtype=self.dtype)
+        return self._save_staging[:, :n]
+
+    def gather_layer(
+        self, block_ids: Sequence[int], layer: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Layer ``layer`` of the blocks as ``[n, 1, 2, H, B, D]``, canonical: into
+        ``out`` (such a view, e.g. of :meth:`save_staging`) or a fresh tensor. Called
+        on the forward's thread, whose torch thread team it uses (a gather from another
+        thread would fight the forward's team for the cores)."""
         if not 0 <= layer < self.block_shape[0]:
             raise ValueError(f"layer {layer} of {self.block_shape[0]}")
         n = len(block_ids)
-        if self._save_out.shape[0] < n:
+        if out is None:
+            out = torch.empty((n, 1, *self.block_shape[1:]), dtype=self.dtype)
+        if self._save_scratch.shape[1] < n:
             H, BD = self._scratch.shape[2], self._scratch.shape[4]
-            self._save_out = torch.zeros((n, 1, *self.block_shape[1:]), dtype=self.dtype)
             self._save_scratch = torch.zeros((1, n, H, 2, BD), dtype=self.dtype)
-        return self._gather(block_ids, layer, self._save_out[:n], self._save_scratch[:, :n])
+        return self._gather(block_ids, layer, out, self._save_scratch[:, :n])
 
     def _gather(
         self, block_ids: Sequence[int], first: int, out: torch.Tensor, scratch: torch.Tensor

@@ -2,10 +2,13 @@
 forward.
 
 vLLM calls the connector's ``save_kv_layer`` after each attention layer has written
-this step's KV into its pages. :class:`StepSave` hands that layer of every block the
-step completes to a background thread, which gathers it out of the pages into the
-canonical layout and sends it to the store (kvstore's layer-by-layer write,
-kvstore/client/layered.py), while the forward computes the next layers. ``finish``
+this step's KV into its pages. :class:`StepSave` gathers that layer of every block the
+step completes out of the pages into the canonical layout, and a background thread
+sends it to the store (kvstore's layer-by-layer write, kvstore/client/layered.py) while
+the forward computes the next layers. Where the gather runs: on the forward's thread,
+with its torch thread team, when the forward holds every core (a gather from another
+thread would fight that team for them); in the saver thread when it has cores of its
+own (engine/vllm_cpus.py), so the gather is hidden too. ``finish``
 (from ``wait_for_save``) waits for the last layer and commits: the blocks become
 visible in the store once, whole, with one checksum each.
 
@@ -15,9 +18,9 @@ not hand over (a model whose attention layers do not all call the hook) is gathe
 sent at ``finish``, so the write always covers every layer. A store that fails mid-way
 costs this step's saves only: the write is aborted and nothing partial is visible.
 
-Concurrency: the saver thread reads only pages of the blocks being saved, after the
-layer that wrote them has run; vLLM may free those pages only after ``wait_for_save``
-returns, which waits for the saver.
+Concurrency: the saver thread reads only the staging buffer, each layer of it after
+the gather that filled it; the buffer is reused only by the next step, after
+``finish`` has waited for the saver.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ class StepSave:
         paged: PagedKV,
         chunk: int,
         executor: ThreadPoolExecutor,
+        *,
+        gather_in_saver: bool = False,
     ) -> None:
         self.items = list(items)
         self._keys = [k for it in self.items for k in it.keys]
@@ -53,10 +58,12 @@ class StepSave:
         self._owner = [it.req_id for it in self.items for _ in it.keys]
         self._store, self._paged, self._chunk = store, paged, chunk
         self._layers = paged.layout.layers
+        self._buf = paged.save_staging(len(self._keys))  # every layer, gathered as it comes
         self._next = 0  # layers handed to the saver thread
         self._writers: list[tuple[range, LayerWriter]] = []
         self._dead = False  # the store failed: nothing more is sent, nothing committed
         self._executor = executor
+        self._gather_in_saver = gather_in_saver
         executor.submit(self._open)
 
     # -- the saver thread -------------------------------------------------------------
@@ -71,13 +78,18 @@ class StepSave:
                 return
             self._writers.append((part, w))
 
-    def _send(self, layer: int) -> None:
+    def _gather(self, layer: int) -> None:
+        out = self._buf[layer : layer + 1].transpose(0, 1)  # [n, 1, ...] of the layer's run
+        self._paged.gather_layer(self._ids, layer, out)
+
+    def _send(self, layer: int, gather: bool = False) -> None:
         if self._dead:
             return
         try:
+            if gather:
+                self._gather(layer)
             for part, w in self._writers:
-                got = self._paged.gather_layer([self._ids[i] for i in part], layer)
-                w.write(layer, [got[j] for j in range(len(part))])
+                w.write_stacked(layer, self._buf[layer : layer + 1, part.start : part.stop])
         except Exception as exc:
             self._fail(exc)
 
@@ -114,9 +126,14 @@ class StepSave:
     # -- the forward's side -----------------------------------------------------------
 
     def layer(self, layer: int) -> None:
-        """Layer ``layer`` is computed: send it (and any earlier one not handed over)."""
+        """Layer ``layer`` is computed: have the saver thread send it (and any earlier
+        layer not handed over), gathered out of the pages here, on the forward's
+        thread, or by the saver when it has cores of its own (``gather_in_saver``)."""
         while self._next <= min(layer, self._layers - 1):
-            self._executor.submit(self._send, self._next)
+            li = self._next
+            if not self._dead and not self._gather_in_saver:
+                self._gather(li)
+            self._executor.submit(self._send, li, self._gather_in_saver)
             self._next += 1
 
     def finish(self, failed_reqs: set[str]) -> tuple[int, int, int]:

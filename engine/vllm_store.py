@@ -46,6 +46,8 @@ class LayerWriter(Protocol):
 
     def write(self, layer: int, values: Sequence[Any]) -> None: ...
 
+    def write_stacked(self, layer: int, stacked: Any) -> None: ...
+
     def commit(self, keep: Sequence[bool] | None = None) -> list[Any]: ...
 
     def abort(self) -> None: ...
@@ -100,6 +102,9 @@ class ConnectorConfig:
         layerwise_save: save each layer of a step's new blocks as the forward produces
             it, in the background (kvstore's layer-by-layer write), and commit them in
             ``wait_for_save``; False gathers and puts whole blocks in ``wait_for_save``.
+        transfer_cpus: cores for the load and save threads (engine/vllm_cpus.py):
+            ``auto`` runs them off the cores vLLM's OpenMP team is bound to, when it is
+            bound to an explicit list; a core list pins them there; ``none`` never.
         transport: ``auto``, ``shm`` or ``tcp`` (see kvstore.config.ClientConfig).
         verify: xxh3-check every block copied out of the server's shared memory, as
             over TCP. On by default (~13 us per 720 KiB block): loaded KV goes straight
@@ -116,6 +121,7 @@ class ConnectorConfig:
     max_blocks_per_call: int = 64
     layerwise: bool = True
     layerwise_save: bool = True
+    transfer_cpus: str = "auto"
     transport: str = "auto"
     verify: bool = True
 
@@ -168,6 +174,7 @@ class ConnectorStats:
     layerwise_saves: int = 0  # steps whose saves went layer by layer beside the forward
     withdrawn_blocks: int = 0  # layer-wise saves dropped at the commit (their load failed)
     save_wait_us: int = 0  # time wait_for_save spent finishing the step's saves
+    save_layer_us: int = 0  # time the forward spent in save_kv_layer (layer gathers)
     store_errors: int = 0  # whole calls that failed (down, timeout, protocol)
     skipped_calls: int = 0  # calls not made while the store was marked down
 
@@ -242,6 +249,10 @@ class _NodeLayers:
             if res is not None:
                 res.payload[layer * self.per : layer * self.per + src.nbytes] = src
         self.next += k
+
+    def write_stacked(self, layer: int, stacked: Any) -> None:
+        # in process there is no wire to feed: per block, as the stacked tensor holds it
+        self.write(layer, [v.contiguous() for v in stacked.transpose(0, 1)])
 
     def commit(self, keep: Sequence[bool] | None = None) -> list[Any]:
         flags = [True] * len(self.slots) if keep is None else list(keep)

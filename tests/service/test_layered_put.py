@@ -103,6 +103,24 @@ def test_ranges_of_layers_and_stored_keys(client: StoreClient) -> None:
     assert torch.equal(client.get(keys[1]), data[1])
 
 
+def test_stacked_layers_leave_as_they_lie(client: StoreClient, reader: StoreClient) -> None:
+    """write_stacked: each layer of every block in one layer-major buffer (how the vLLM
+    connector gathers a step's blocks) stores what per-block writes store."""
+    keys, data = fresh_keys(3), blocks(3, 7)
+    stacked = data.transpose(0, 1).contiguous()  # (layers, blocks, ...)
+    with client.begin_layers(keys, shape=SHAPE, dtype=torch.bfloat16) as w:
+        w.write_stacked(0, stacked[0:1])
+        w.write_stacked(1, stacked[1:4])
+        assert w.commit() == [True] * 3
+    for i, k in enumerate(keys):
+        assert torch.equal(reader.get(k), data[i])
+    with client.begin_layers(fresh_keys(3), shape=SHAPE, dtype=torch.bfloat16) as w:
+        with pytest.raises(InvalidValue, match="stacked layers"):
+            w.write_stacked(0, stacked[0:1, :2])  # two blocks' worth for three keys
+        with pytest.raises(InvalidValue, match="layers"):
+            w.write_stacked(0, torch.cat([stacked, stacked[:1]]))
+
+
 def test_withdrawn_items_are_not_stored(client: StoreClient, reader: StoreClient) -> None:
     keys, data = fresh_keys(3), blocks(3, 3)
     with client.begin_layers(keys, shape=SHAPE, dtype=torch.bfloat16) as w:

@@ -453,7 +453,10 @@ def test_a_steps_loads_land_layer_by_layer_or_whole_and_fail_per_request(
                 pool.shutdown()
 
 
-def test_a_steps_saves_go_layer_by_layer_and_withdraw_failed_requests() -> None:
+@pytest.mark.parametrize("gather_in_saver", [False, True])
+def test_a_steps_saves_go_layer_by_layer_and_withdraw_failed_requests(
+    gather_in_saver: bool,
+) -> None:
     """engine/vllm_saves.py over an in-process store and real page tensors: each layer
     handed over is sent beside the forward, a layer never handed over is sent at the
     end, the commit stores whole canonical blocks, and a request whose load failed
@@ -475,7 +478,7 @@ def test_a_steps_saves_go_layer_by_layer_and_withdraw_failed_requests() -> None:
     with StoreNode(dram_bytes="4MiB") as node:
         rs = resilient(NodeStore(node, ns), Clock())
         try:
-            step = StepSave(items, rs, paged, chunk=2, executor=pool)
+            step = StepSave(items, rs, paged, 2, pool, gather_in_saver=gather_in_saver)
             step.layer(0)
             step.layer(1)  # layer 2 never handed over: finish sends it
             assert node.match_prefix(keys) == 0  # nothing visible before the commit
@@ -530,3 +533,36 @@ def test_a_save_whose_store_fails_stores_nothing_and_marks_it_down() -> None:
         assert node.match_prefix(keys) == 0
         assert node.stats()["tiers"]["dram"]["used"] == used  # the reservation is freed
         assert rs.stats.store_errors == 1 and not rs.available
+
+
+def test_transfer_cores_stay_off_the_forwards_cores() -> None:
+    """engine/vllm_cpus.py: with vLLM's OpenMP team bound to a list, the transfer
+    threads take the process's other cores; lists parse strictly; a thread is pinned."""
+    import os
+    import threading
+
+    from engine.vllm_cpus import parse_cpu_list, pin_this_thread, transfer_cpus
+
+    assert parse_cpu_list("0-3,6") == {0, 1, 2, 3, 6}
+    assert parse_cpu_list("0-1|2-3") == {0, 1, 2, 3}
+    for bad in ("", "a", "3-1", "-1"):
+        with pytest.raises(ConfigError, match="CPU list"):
+            parse_cpu_list(bad)
+    allowed = os.sched_getaffinity(0)
+    first = min(allowed)
+    assert transfer_cpus("none", "0") is None
+    assert transfer_cpus("auto", "auto") is None and transfer_cpus("auto", "nobind") is None
+    assert transfer_cpus("auto", str(first)) == (allowed - {first} or None)
+    assert transfer_cpus(str(first)) == {first}
+    with pytest.raises(ConfigError, match="none of them"):
+        transfer_cpus("100000")
+    seen: list[set[int]] = []
+
+    def run() -> None:
+        pin_this_thread({first})
+        seen.append(os.sched_getaffinity(0))
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert seen == [{first}] and os.sched_getaffinity(0) == allowed  # that thread only
