@@ -326,6 +326,9 @@ def _run_in(
             "loader_counters": {n: {k: stats[n][k] for k in ("loaded_blocks", "failed_blocks",
                                                             "hit_tokens", "lookups")}
                                 for n in ("whole", "layerwise")},
+            "saver_counters": {n: {k: stats[n][k] for k in ("saved_blocks", "present_blocks",
+                                                            "store_errors", "skipped_calls")}
+                               for n in ("kvstore", "lw_saver")},
             "layer_wait_s_per_step": stats["layerwise"]["layer_wait_us"] / 1e6
             / max(1, stats["layerwise"]["layerwise_loads"]),
             "hidden_share": (ttft["hit"] - ttft["lw_hit"]) / load_s if load_s else 0.0,
@@ -369,6 +372,16 @@ def _print(res: dict[str, Any]) -> None:
           f"the miss's TTFT by {t['miss'] - t['lw_miss']:.3f} s: {res['save_hidden_share']:.0%} "
           f"of the save hidden ({res['layerwise_saves']} layer-wise steps; the forward "
           f"spent {res['save_layer_s_per_step']:.3f} s a step gathering layers)")  # fmt: skip
+    sc = res["saver_counters"]
+    if sc["kvstore"]["saved_blocks"] != sc["lw_saver"]["saved_blocks"]:
+        print("WARNING: the two savers stored different numbers of blocks: their rows "
+              "do not compare (see the counters)")  # fmt: skip
+    print(
+        "savers' counters: whole "
+        + ", ".join(f"{k} {v}" for k, v in sc["kvstore"].items())
+        + "; layer-wise "
+        + ", ".join(f"{k} {v}" for k, v in sc["lw_saver"].items())
+    )
     print(f"{'per block':52} {'load ms':>9} {'save ms':>10}")
     for name, label in (("example", "anchor: vLLM ExampleConnector (files)"),
                         ("kvstore", f"kvstore ({res['transport']})")):  # fmt: skip

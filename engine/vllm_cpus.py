@@ -21,7 +21,7 @@ import os
 
 from kvstore.errors import ConfigError
 
-__all__ = ["parse_cpu_list", "pin_this_thread", "transfer_cpus"]
+__all__ = ["host_cpus", "parse_cpu_list", "pin_this_thread", "transfer_cpus"]
 
 log = logging.getLogger("vllm.kvstore")
 
@@ -46,12 +46,22 @@ def parse_cpu_list(text: str) -> set[int]:
     return cpus
 
 
+def host_cpus() -> set[int]:
+    """The cores this process may use. Not the calling thread's affinity: OpenMP binds
+    the forward's thread to its team's cores, and this is asked from that thread."""
+    try:
+        with open("/sys/fs/cgroup/cpuset.cpus.effective") as f:
+            return parse_cpu_list(f.read().strip())
+    except (OSError, ConfigError):
+        return set(range(os.cpu_count() or 1))
+
+
 def transfer_cpus(setting: str, omp_bind: str | None = None) -> set[int] | None:
     """The cores for transfer threads (None: leave them to the OS). ``omp_bind`` is
     vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` (read from the environment when None)."""
     if setting == "none":
         return None
-    allowed = os.sched_getaffinity(0)
+    allowed = host_cpus()
     if setting != "auto":
         cpus = parse_cpu_list(setting) & allowed
         if not cpus:

@@ -29,6 +29,8 @@ import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+
 from engine.vllm_loads import BlockTransfer
 from engine.vllm_paged import PagedKV
 from engine.vllm_store import LayerWriter, ResilientStore
@@ -86,8 +88,9 @@ class StepSave:
         if self._dead:
             return
         try:
-            if gather:
-                self._gather(layer)
+            if gather:  # the buffers were made under the forward's inference mode
+                with torch.inference_mode():
+                    self._gather(layer)
             for part, w in self._writers:
                 w.write_stacked(layer, self._buf[layer : layer + 1, part.start : part.stop])
         except Exception as exc:
