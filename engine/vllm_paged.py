@@ -206,6 +206,7 @@ class PagedKV:
                 for kv in (0, 1)
             ]
         self._index = page.index.to(self.device)
+        self._scatter_scratch = [torch.empty(0, dtype=self.dtype) for _ in range(2)]
         self._staging = torch.empty((0, *self.block_shape), dtype=self.dtype)
         self._layer_staging = torch.empty((0, 1, *self.block_shape[1:]), dtype=self.dtype)
         self._scratch = torch.empty((len(layers), 0, H, 2, B * D), dtype=self.dtype)
@@ -327,10 +328,19 @@ class PagedKV:
         key, value = self.page.key, self.page.value
         if key is not None and value is not None:
             for kv, order in ((0, key), (1, value)):
+                staged = self._staged(kv, order, n)
                 for li in range(L):
                     tile = src[:, li, kv].reshape(n, H, *order.split)
-                    stored = tile.permute(0, 1, *(2 + i for i in order.inverse))
-                    self._tiles[kv][first_layer + li].index_copy_(0, idx, stored)
+                    if staged is None:
+                        stored = tile.permute(0, 1, *(2 + i for i in order.inverse))
+                        self._tiles[kv][first_layer + li].index_copy_(0, idx, stored)
+                        continue
+                    # Short innermost runs (amx's 4-byte pairs): lay the tiles out in the
+                    # page's order first, through a permuted view written from a
+                    # contiguous read, then copy whole rows (1.4-1.8x faster on amx;
+                    # slower for vec's long runs, which keep the direct copy).
+                    staged.permute(0, 1, *(2 + p for p in order.perm)).copy_(tile)
+                    self._tiles[kv][first_layer + li].index_copy_(0, idx, staged)
             return
         canon = src.permute(1, 0, 3, 2, 4, 5).reshape(L, n, H, 2 * B * D)
         for li in range(L):
@@ -338,6 +348,20 @@ class PagedKV:
             page = pages.index_select(0, idx).view(n, H, 2 * B * D)
             page.index_copy_(2, self._index, canon[li])
             pages.index_copy_(0, idx, page.view(n, H, 2, B * D))
+
+    def _staged(self, kv: int, order: TileOrder, n: int) -> torch.Tensor | None:
+        """A reused ``[n, H, *stored]`` buffer for scattering tiles whose innermost run
+        is under a cache line (None: copy directly). One scatter at a time: a step's
+        loads run on the loader thread or before the forward, never both."""
+        if order.stored[-1] * self._pages[0].element_size() >= 64:
+            return None
+        buf = self._scatter_scratch[kv]
+        if buf.shape[0] < n:
+            H = self._pages[0].shape[1]
+            shape = (n, H, *order.stored)
+            buf = torch.empty(shape, dtype=self.dtype, device=self.device)
+            self._scatter_scratch[kv] = buf
+        return buf[:n]
 
 
 def _check_page_tensor(t: torch.Tensor, layout: KVLayout) -> None:
