@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import mmap
+import os
 import random
 import signal
 import threading
@@ -79,8 +80,15 @@ def engines(root: Path, store: ServerProcess) -> Iterator[dict[str, EngineProces
     }
     specs = {
         "ref32": EngineSpec(model),
-        # Prefill in 80-token chunks: blocks complete across steps, mid-chunk.
-        "prod32": EngineSpec(model, role="kv_producer", extra=extra, max_batched_tokens=80),
+        # Prefill in 80-token chunks: blocks complete across steps, mid-chunk. Its save
+        # thread is pinned to a core (as on a host whose forward leaves it one), so it
+        # gathers each layer out of the pages itself, beside the forward.
+        "prod32": EngineSpec(
+            model,
+            role="kv_producer",
+            extra={**extra, "transfer_cpus": str(max(os.sched_getaffinity(0)))},
+            max_batched_tokens=80,
+        ),
         # vLLM's default failure policy ("fail"): the connector must switch it. The
         # connector is the real one plus a switch that fails loads (tests/vllm_fixtures.py).
         "cons32": EngineSpec(
