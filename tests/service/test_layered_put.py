@@ -8,6 +8,7 @@ aborted writes store nothing and free their space; bad input is a clear error.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import signal
@@ -20,8 +21,9 @@ import pytest
 import torch
 
 from kvstore import Namespace, StoreClient, prefix_keys
-from kvstore.errors import CorruptBlock, InvalidValue, ReservationError
+from kvstore.errors import CorruptBlock, InvalidValue, KVStoreError, ReservationError
 from kvstore.wire.ucx import available as ucx_available
+from tests.support.server_fixtures import ServerFactory
 from tests.support.server_process import ALPHA, ServerProcess, base_flags
 from tests.support.waiting import wait_until
 
@@ -135,7 +137,7 @@ def test_abort_stores_nothing_and_frees_the_space(client: StoreClient, reader: S
     keys, data = fresh_keys(4), blocks(4, 4)
     with client.begin_layers(keys, shape=SHAPE, dtype=torch.bfloat16) as w:
         w.write(0, [data[i, :2] for i in range(4)])
-        assert _dram_used(reader) > used  # reserved for the whole write
+        wait_until(lambda: _dram_used(reader) > used, "reserved for the whole write")
     # left without a commit: aborted
     wait_until(lambda: _dram_used(reader) == used, within=5.0, what="space freed")
     assert reader.exists(keys) == [False] * 4
@@ -215,7 +217,7 @@ def test_a_writer_killed_mid_stream_leaves_nothing(
     )
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "written"
-        assert _dram_used(reader) > used
+        wait_until(lambda: _dram_used(reader) > used, "reserved")
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
         t0 = time.monotonic()
@@ -227,3 +229,33 @@ def test_a_writer_killed_mid_stream_leaves_nothing(
             proc.wait()
     keys = prefix_keys(list(range(900000, 900064)), 16, NS)
     assert reader.exists(keys) == [False] * 4
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_writer_that_stalls_between_layers_is_cut(
+    server_factory: ServerFactory, transport: str
+) -> None:
+    """A writer that sends layer 0 and then nothing (a hung engine) holds its
+    reservations only for put_grace_s (the socket's FILL lease, the shared-memory
+    write lease): then the server frees them and stores nothing."""
+    flags = {"put_grace_s": 0.5, "lease_ttl_s": 1.0}
+    if transport == "ucx":
+        flags["transport"] = "ucx"
+    server = server_factory(**flags)
+    keys, data = fresh_keys(2), blocks(2, 8)
+    with (
+        server.client(ALPHA, namespace=NS, transport=transport) as c,
+        server.client(ALPHA, namespace=NS, transport="tcp") as watcher,
+    ):
+        used = _dram_used(watcher)
+        w = c.begin_layers(keys, shape=SHAPE, dtype=torch.bfloat16)
+        w.write(0, [data[0, :1], data[1, :1]])
+        # the socket write has left; the server reserves once it reads the header
+        wait_until(lambda: _dram_used(watcher) > used, "reserved", within=5.0)
+        wait_until(lambda: _dram_used(watcher) == used, "stalled write freed", within=10.0)
+        with contextlib.suppress(KVStoreError):  # too late: an error, or nothing stored
+            w.write(1, [data[0, 1:2], data[1, 1:2]])
+            w.write(2, [data[0, 2:], data[1, 2:]])
+            assert not any(r is True for r in w.commit())
+        assert watcher.exists(keys) == [False, False]
+        assert c.put(keys[0], data[0]) is True  # the client goes on

@@ -306,7 +306,7 @@ class ShmTransport(SocketTransport):
                 early[i] = error_of(r.error) or r.stored
                 extents.append(None)
             leases.append(r.lease_id)
-        return _ShmLayers(conn, extents, leases, early)
+        return _ShmLayers(conn, extents, leases, early, resp.lease_expires_ns)
 
     def _write_round(
         self,
@@ -369,16 +369,32 @@ class ShmTransport(SocketTransport):
             conn.call(Op.ABORT, pb.LeaseRequest(lease_ids=rest), pb.LeaseResponse, deadline)
 
 
+_LAYER_MARGIN_NS = 50_000_000  # a layer copy must end this long before the lease does
+
+
 class _ShmLayers(LayerSink):
     """A layer-by-layer write into reserved extents of the shared segment."""
 
     def __init__(
-        self, conn: DataConn, extents: list[np.ndarray | None], leases: list[int], early: list[Any]
+        self,
+        conn: DataConn,
+        extents: list[np.ndarray | None],
+        leases: list[int],
+        early: list[Any],
+        expires_ns: int,
     ) -> None:
         self.conn, self.extents, self.leases, self.early = conn, extents, leases, early
+        self.expires_ns = expires_ns  # the write leases' end (CLOCK_MONOTONIC, the host's)
         self.filled = [0] * len(extents)  # bytes of each extent written so far
 
     def send(self, parts: Sequence[Any], deadline: float) -> None:
+        # Past the leases' end the server may have given the extents to other blocks:
+        # never copy into them then (a margin covers the copy itself).
+        if any(self.leases) and time.monotonic_ns() > self.expires_ns - _LAYER_MARGIN_NS:
+            self.leases = []  # reaped by the server: nothing to abort
+            raise TimeoutError_(
+                "the layer-by-layer write's reservations expired (lease_ttl_s, put_grace_s)"
+            )
         for i, part in enumerate(parts):
             dst = self.extents[i]
             if dst is None:
