@@ -18,6 +18,13 @@ receive returns, and this connection's thread aborts the reservation and closes:
 peer sending a byte a second holds space for seconds, not for the frame's whole
 ``io_timeout_s``, and never across items.
 
+A layer-by-layer PUT (``PutRequest.layers``, kvstore/server/layered.py) reserves every
+item first, then receives layer 0 of each item, layer 1 of each, and so on, each run
+straight into its place in the reservation under its own FILL lease, so a writer may
+pause between layers for as long as one layer's lease (its forward computes the next
+layer meanwhile). The items' checksums and keep flags close the body; one commit
+follows. A stream that ends early aborts every reservation of the request.
+
 A server with ``transport = "ucx"`` also offers UCX: a HELLO carrying a UCX worker
 address moves its connection's frames to a UCX worker of its own after INFO
 (kvstore/wire/ucx.py); the session then serves it exactly as a socket, and the socket
