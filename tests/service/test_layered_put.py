@@ -22,16 +22,15 @@ import torch
 
 from kvstore import Namespace, StoreClient, prefix_keys
 from kvstore.errors import CorruptBlock, InvalidValue, KVStoreError, ReservationError
-from kvstore.wire.ucx import available as ucx_available
-from tests.support.server_fixtures import ServerFactory
-from tests.support.server_process import ALPHA, ServerProcess, base_flags
+from tests.support.server_fixtures import DATA_PATHS, ServerFactory, serve_every_path
+from tests.support.server_process import ALPHA, ServerProcess
 from tests.support.waiting import wait_until
 
 NS = Namespace("layered-llama", "bf16:L4:H2:D8", tenant="ignored-by-the-server")
 SHAPE = (4, 2, 2, 16, 8)  # layers, K/V, kv heads, tokens, head dim
 _seq = itertools.count()
 
-TRANSPORTS = ("shm", "tcp", "ucx") if ucx_available() else ("shm", "tcp")
+TRANSPORTS = DATA_PATHS
 
 
 def fresh_keys(n: int) -> list[bytes]:
@@ -46,15 +45,8 @@ def blocks(n: int, seed: int) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def store_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    workdir = tmp_path_factory.mktemp("server")
-    flags = base_flags(workdir)
-    if "ucx" in TRANSPORTS:
-        flags["transport"] = "ucx"
-    server = ServerProcess(workdir, flags).start()
-    try:
-        yield server
-    finally:
-        server.stop()
+    """The shared server, offering UCX where it can."""
+    yield from serve_every_path(tmp_path_factory)
 
 
 @pytest.fixture(scope="module", params=TRANSPORTS)

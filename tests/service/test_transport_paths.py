@@ -21,8 +21,8 @@ from kvstore import Namespace, StoreClient, prefix_keys
 from kvstore._proto import store_pb2 as pb
 from kvstore.client.admin import AdminClient
 from kvstore.errors import InvalidValue, LayoutMismatch
-from kvstore.wire.ucx import available as ucx_available
-from tests.support.server_process import ADMIN, ALPHA, ServerProcess, base_flags
+from tests.support.server_fixtures import DATA_PATHS, serve_every_path
+from tests.support.server_process import ADMIN, ALPHA, ServerProcess
 from tests.support.waiting import wait_until
 
 NS = Namespace("tiny-llama", "bf16:L2:H2:D8", tenant="ignored-by-the-server")
@@ -41,21 +41,13 @@ def kv_block(seed: int, head_dim: int = 8) -> torch.Tensor:
     return torch.randn(2, 2, 2, 4, head_dim, generator=g).to(torch.bfloat16)
 
 
-TRANSPORTS = ("shm", "tcp", "ucx") if ucx_available() else ("shm", "tcp")
+TRANSPORTS = DATA_PATHS
 
 
 @pytest.fixture(scope="module")
 def store_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """tests/support/server_fixtures.py's shared server, offering UCX where it can."""
-    workdir = tmp_path_factory.mktemp("server")
-    flags = base_flags(workdir)
-    if "ucx" in TRANSPORTS:
-        flags["transport"] = "ucx"
-    server = ServerProcess(workdir, flags).start()
-    try:
-        yield server
-    finally:
-        server.stop()
+    """The shared server, offering UCX where it can."""
+    yield from serve_every_path(tmp_path_factory)
 
 
 @pytest.fixture(scope="module", params=TRANSPORTS)

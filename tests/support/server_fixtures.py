@@ -16,9 +16,13 @@ from typing import Any
 
 import pytest
 
+from kvstore.wire.ucx import available as ucx_available
 from tests.support.server_process import ServerProcess, base_flags
 
-__all__ = ["ServerFactory", "server_factory", "store_server"]
+__all__ = ["DATA_PATHS", "ServerFactory", "serve_every_path", "server_factory", "store_server"]
+
+DATA_PATHS = ("shm", "tcp", "ucx") if ucx_available() else ("shm", "tcp")
+"""The client transports a same-host test can take: UCX where ucxx is installed."""
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +30,20 @@ def store_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPro
     """One server shared by a module's tests (tests isolate by key)."""
     workdir = tmp_path_factory.mktemp("server")
     server = ServerProcess(workdir, base_flags(workdir)).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def serve_every_path(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The body of a module's ``store_server`` fixture whose tests run over every data
+    path: the shared server's flags, offering UCX where it can."""
+    workdir = tmp_path_factory.mktemp("server")
+    flags = base_flags(workdir)
+    if "ucx" in DATA_PATHS:
+        flags["transport"] = "ucx"
+    server = ServerProcess(workdir, flags).start()
     try:
         yield server
     finally:
