@@ -49,6 +49,7 @@ from typing import Any
 
 from kvstore.blocks import layer_range
 from kvstore.client.connector import Connector
+from kvstore.client.layered import LayeredPut
 from kvstore.client.members import NODE_FAILURES, Members
 from kvstore.client.store import NodeClient
 from kvstore.config import ClientConfig
@@ -242,6 +243,39 @@ class ClusterClient:
         if any(r is None for r in results):
             raise Unavailable(f"no live node of cluster {self.cluster!r} accepted the write")
         return results
+
+    def begin_layers(
+        self,
+        keys: Sequence[bytes],
+        *,
+        shape: Sequence[int],
+        dtype: Any,
+        timeout: float | None = None,
+    ) -> LayeredPut:
+        """A layer-by-layer write (kvstore/client/layered.py) on the write node, or the
+        next live one if it cannot start there: once bytes have left, a failure is the
+        write's, not retried elsewhere. Stored keys count as present for this client's
+        reads at once, as after ``batch_put``."""
+        ks, scoped = self._keys(keys)
+        deadline = self._deadline(timeout)
+        members = self.members
+        order = members.write_order()
+        for n, node_id in enumerate(order):
+            left = _share(deadline, len(order) - n)
+            try:
+                w = members.client(node_id).begin_layers(ks, shape=shape, dtype=dtype, timeout=left)
+            except NODE_FAILURES as exc:
+                members.suspect(node_id, exc)
+                continue
+
+            def stored(results: Sequence[Any], node: str = node_id) -> None:
+                for key, r in zip(scoped, results, strict=True):
+                    if isinstance(r, bool):
+                        self._remember(key, node)
+
+            w.on_commit = stored
+            return w
+        raise Unavailable(f"no live node of cluster {self.cluster!r} took the write")
 
     def batch_get(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[Any]:
         """New values: each a value, None (miss everywhere) or that key's error."""

@@ -33,8 +33,10 @@ The contract (README, "Layer-by-layer writes"):
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import numpy as np
 
 from kvstore.blocks import KIND_NUMPY, KIND_TORCH, ValueInfo, checksum_stream, describe, host_bytes
 from kvstore.client.transport.base import LayerSink, Link, Links
@@ -50,6 +52,11 @@ def block_info(shape: Sequence[int], dtype: Any) -> ValueInfo:
     text = str(dtype)
     kind = KIND_TORCH if text.startswith("torch.") else KIND_NUMPY
     name = text.removeprefix("torch.")
+    if kind == KIND_NUMPY and not isinstance(dtype, str):
+        try:
+            name = np.dtype(dtype).name  # np.uint8, np.dtype("float16"), ...
+        except TypeError:
+            raise InvalidValue(f"unsupported dtype {dtype!r}") from None
     if name not in DTYPE_SIZES:
         raise InvalidValue(f"unsupported dtype {dtype!r}")
     dims = tuple(int(d) for d in shape)
@@ -84,6 +91,8 @@ class LayeredPut:
         self._links, self._timeout = links, timeout_s
         self._sums = [checksum_stream() for _ in self.keys]
         self._next = 0  # the first layer not yet written
+        # called with the commit's results (a cluster client remembers where keys went)
+        self.on_commit: Callable[[Sequence[Any]], None] | None = None
         self._done = False
         self._link: Link | None = link  # given back to ``links`` at the commit or abort
         self._sink = sink
@@ -175,12 +184,15 @@ class LayeredPut:
         sums = [h.intdigest() for h in self._sums]
         self._done = True
         try:
-            return list(self._sink.finish(sums, flags, self._deadline()))
+            results = list(self._sink.finish(sums, flags, self._deadline()))
         except BaseException:
             self._sink.abort(self._deadline())
             raise
         finally:
             self._give_back()
+        if self.on_commit is not None:
+            self.on_commit(results)
+        return results
 
     def abort(self) -> None:
         """Store nothing of this write and free its reservations; idempotent."""

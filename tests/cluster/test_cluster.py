@@ -170,6 +170,24 @@ def test_from_etcd_puts_to_chosen_node_and_gets_across_nodes(pair: Cluster) -> N
         wait_until(lambda: c.exists(ka[:3]) == [False, False, True], 5, "removal in mirror")
 
 
+def test_layer_by_layer_writes_through_a_cluster_client(pair: Cluster) -> None:
+    """begin_layers on the cluster client writes on the chosen node, its keys count as
+    present for this client at once, and other clients read them across nodes."""
+    keys = [os.urandom(16) for _ in range(3)]
+    values = [value_for(k).reshape(4, -1) for k in keys]  # 4 layers of 4 KiB
+    with pair.client(node_id="b") as cb:
+        with cb.begin_layers(keys, shape=values[0].shape, dtype=np.uint8) as w:
+            for layer in range(4):
+                w.write(layer, [v[layer : layer + 1] for v in values])
+            assert w.commit() == [True] * 3
+        assert cb.match_prefix(keys) == 3  # before the directory shows them
+    with pair.client() as c:
+        wait_until(lambda: c.match_prefix(keys) == 3, 5, "mirror shows the layered write")
+        assert all(replicas(c, k) == {"b": TierKind.DRAM} for k in keys)
+        for k, v in zip(keys, c.batch_get(keys), strict=True):
+            assert np.array_equal(v, value_for(k).reshape(4, -1))
+
+
 def test_async_client_of_a_cluster(pair: Cluster) -> None:
     keys = [os.urandom(16) for _ in range(4)]
 
