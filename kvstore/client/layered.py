@@ -113,9 +113,7 @@ class LayeredPut:
         """Layers ``[layer, layer + k)`` of every block, in key order: each value a
         contiguous tensor or array of the block's dtype holding ``k`` layers (the
         block's shape with its first dimension ``k``); ``k`` is the same for all."""
-        self._check_live()
-        if layer != self._next:
-            raise InvalidValue(f"layer {layer} written after layers [0, {self._next})")
+        self._check_next(layer)
         if len(values) != len(self.keys):
             raise InvalidValue(f"{len(values)} values for {len(self.keys)} keys")
         parts, k = [], 0
@@ -131,24 +129,14 @@ class LayeredPut:
                 raise InvalidValue(f"layers [{layer}, {layer + got.shape[0]}) of {self.layers}")
             parts.append(host_bytes(v))
         per = self.per_layer
-        try:
-            for j in range(k):  # the wire order: layer by layer, each item within it
-                self._sink.send([p[j * per : (j + 1) * per] for p in parts], self._deadline())
-        except BaseException:
-            self.abort()
-            raise
-        for h, part in zip(self._sums, parts, strict=True):
-            h.update(part)  # after the send: hashed while the server receives
-        self._next = layer + k
+        self._send(layer, k, lambda j: [p[j * per : (j + 1) * per] for p in parts])
 
     def write_stacked(self, layer: int, stacked: Any) -> None:
         """Layers ``[layer, layer + k)`` of every block as one contiguous tensor or
         array shaped ``(k, len(keys), *shape[1:])``: layer-major, the wire's own order,
         so it leaves as it lies, with no per-block Python work beyond the checksum (an
         engine gathering each layer of a step's blocks into one buffer)."""
-        self._check_live()
-        if layer != self._next:
-            raise InvalidValue(f"layer {layer} written after layers [0, {self._next})")
+        self._check_next(layer)
         got = describe(stacked)
         n = len(self.keys)
         if got.dtype != self.info.dtype or got.shape[1:] != (n, *self.info.shape[1:]):
@@ -160,10 +148,21 @@ class LayeredPut:
         if layer + k > self.layers:
             raise InvalidValue(f"layers [{layer}, {layer + k}) of {self.layers}")
         flat, per = host_bytes(stacked), self.per_layer
+        runs = [flat[i * per : (i + 1) * per] for i in range(k * n)]  # layer-major
+        self._send(layer, k, lambda j: runs[j * n : (j + 1) * n])
+
+    def _check_next(self, layer: int) -> None:
+        self._check_live()
+        if layer != self._next:
+            raise InvalidValue(f"layer {layer} written after layers [0, {self._next})")
+
+    def _send(self, layer: int, k: int, parts_of: Callable[[int], list[Any]]) -> None:
+        """Send layers [layer, layer + k) in the wire's order, each as ``parts_of(j)``
+        (one run per item), hashing each run after it left (while the server receives
+        it); a failure aborts the write."""
         try:
             for j in range(k):
-                base = j * n * per
-                parts = [flat[base + i * per : base + (i + 1) * per] for i in range(n)]
+                parts = parts_of(j)
                 self._sink.send(parts, self._deadline())
                 for h, part in zip(self._sums, parts, strict=True):
                     h.update(part)
