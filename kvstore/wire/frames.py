@@ -433,6 +433,15 @@ class FrameSocket:
         if digest is not None and fed < n:
             digest.update(view[fed:])
 
+    def recv_many(
+        self, views: Sequence[memoryview], digests: Sequence[Any], *, spin: bool = False
+    ) -> None:
+        """Fill each of ``views`` in turn, feeding ``digests[i]`` (None: no digest) every
+        byte of ``views[i]``: one stream, so simply one :meth:`recv_into` after another
+        (UcxFrames.recv_many is where receiving a batch at once pays)."""
+        for view, digest in zip(views, digests, strict=True):
+            self.recv_into(view, spin=spin, digest=digest)
+
     def discard(self, n: int) -> None:
         """Read and drop ``n`` payload bytes (a refused item of a batch)."""
         scratch = memoryview(bytearray(min(n, 1 << 20)))

@@ -56,6 +56,7 @@ import select
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -510,6 +511,104 @@ class UcxFrames:
         self._read(view)
         if digest is not None:
             digest.update(view)
+
+    def recv_many(
+        self, views: Sequence[memoryview], digests: Sequence[Any], *, spin: bool = False
+    ) -> None:
+        """Fill each of ``views`` in turn, as ``recv_into`` would, feeding ``digests[i]``
+        (or nothing, where it is None) every byte of ``views[i]`` (``spin``: as
+        FrameSocket.recv_many; waiting here always spins first).
+
+        Why not a loop of ``recv_into``: each payload above UCX's eager limit is a
+        rendezvous, and a receive posted only once the previous payload is in and hashed
+        costs a round trip per payload to a sender that has gone to sleep meanwhile.
+        Here every message already announced is received straight into the place it
+        fills, so the sender streams the whole batch after one wake-up, and each view
+        is hashed as soon as it is whole while later ones are still arriving. A message
+        that does not end inside the view it starts in (not how our peers send) ends
+        the pipelining: what is posted is waited for, and the rest is read as
+        ``recv_into`` reads it.
+        """
+        flat = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in views]
+        count = len(flat)
+        i = off = 0  # where the next byte lands: flat[i][off]
+
+        def advance(n: int) -> bool:
+            """``n`` more bytes of flat[i] are placed; True when that ends the view."""
+            nonlocal i, off
+            off += n
+            if off < flat[i].nbytes:
+                return False
+            i, off = i + 1, 0
+            while i < count and not flat[i].nbytes:
+                i += 1
+            return True
+
+        if count and not flat[0].nbytes:
+            advance(0)
+        while i < count and self._r < len(self._buf):  # bytes already here come first
+            k = min(len(self._buf) - self._r, flat[i].nbytes - off)
+            flat[i][off : off + k] = self._buf[self._r : self._r + k]
+            self._r += k
+            advance(k)
+        for j in range(i):
+            self._feed(flat, digests, j)
+        fed = i  # views [0, fed) are whole and hashed
+        posted: deque[tuple[Any, int]] = deque()  # (request, the view it completes or -1)
+        w, tag, mask = self._w, self._tag, self._mask
+        odd = False  # a message runs past the end of its view: stop posting
+
+        def step() -> bool:
+            nonlocal fed, odd
+            while i < count and not odd:
+                if self._next is not None:
+                    msg, self._next = self._next, None
+                else:
+                    msg = w.tag_probe(tag, mask, True)
+                    if not msg.matched:
+                        break
+                n = int(msg.length)
+                if n > flat[i].nbytes - off:
+                    self._next, odd = msg, True
+                    break
+                at = i
+                req = w.tag_recv_with_handle(_arr.Array(flat[i][off : off + n]), msg)
+                posted.append((req, at if advance(n) else -1))
+            while posted and posted[0][0].completed:
+                req, ends = posted.popleft()
+                req.check_error()
+                while fed <= ends:
+                    self._feed(flat, digests, fed)
+                    fed += 1
+            if fed < i and not posted:  # empty views skipped at the end
+                for j in range(fed, i):
+                    self._feed(flat, digests, j)
+                fed = i
+            return fed >= count or (odd and not posted)
+
+        if fed < count:
+            try:
+                self._progress_until(step, self._until())
+            except BaseException as exc:
+                self.broken = True
+                with contextlib.suppress(Exception):
+                    self._w.cancel_inflight_requests()
+                    self._w.progress()
+                if isinstance(exc, KVStoreError):
+                    raise
+                if isinstance(exc, Exception):
+                    raise _ucx_error(exc, "receive") from exc
+                raise
+        if fed < count:  # pipelining ended: the rest one view at a time
+            self.recv_into(flat[i][off:])
+            self._feed(flat, digests, i)
+            for j in range(i + 1, count):
+                self.recv_into(flat[j], digest=digests[j])
+
+    @staticmethod
+    def _feed(flat: Sequence[memoryview], digests: Sequence[Any], j: int) -> None:
+        if digests[j] is not None:
+            digests[j].update(flat[j])
 
     def discard(self, n: int) -> None:
         """Read and drop ``n`` payload bytes."""

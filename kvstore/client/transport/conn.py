@@ -296,6 +296,12 @@ class DataConn:
         polls while a reply streams in, ``digest`` hashes the bytes as they arrive)."""
         self.fs.recv_into(memoryview(view), spin=spin, digest=digest)
 
+    def recv_many(self, views: Sequence[Any], digests: Sequence[Any]) -> None:
+        """Receive a reply's payloads straight into ``views``, each hashed into its
+        digest as it arrives; over UCX every payload's receive is posted as soon as it
+        is announced (UcxFrames.recv_many)."""
+        self.fs.recv_many([memoryview(v) for v in views], digests, spin=True)
+
     def discard(self, n: int) -> None:
         """Skip payload bytes the caller cannot use."""
         self.fs.discard(n)

@@ -21,6 +21,7 @@ from kvstore._proto import store_pb2 as pb
 from kvstore.blocks import BlockHeader, ValueInfo, checksum, checksum_stream, layer_span
 from kvstore.client.transport.base import LayerSink, Transport
 from kvstore.client.transport.buffers import (
+    Landing,
     Outgoing,
     fresh_landing,
     out_landing,
@@ -32,7 +33,17 @@ from kvstore.observe.counters import NodeCounters
 from kvstore.wire.codec import error_of, meta_of
 from kvstore.wire.frames import Op
 
-__all__ = ["SocketTransport", "TcpTransport", "miss", "put_results", "ranged", "receive_inline"]
+__all__ = [
+    "Inbound",
+    "SocketTransport",
+    "TcpTransport",
+    "miss",
+    "plan_inline",
+    "put_results",
+    "ranged",
+    "receive_inline",
+    "receive_planned",
+]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +56,79 @@ def miss(get_into: bool) -> Any:
     return False if get_into else None
 
 
+class Inbound:
+    """Where one block of a GET reply lands and what its bytes must hash to, with
+    ``result`` the miss it becomes if they do not; or, when it has no bytes to receive
+    (a miss, an error) or cannot land (a layout mismatch: its bytes are received into
+    scratch and dropped), its per-key result."""
+
+    __slots__ = ("digest", "expect", "key", "landing", "result", "view")
+
+    def __init__(self, result: Any, view: Any = None, landing: Landing | None = None) -> None:
+        self.result = result
+        self.view = view
+        self.landing = landing
+        self.digest: Any = None
+        self.expect = 0
+        self.key = b""
+
+
+def plan_inline(
+    conn: DataConn,
+    ref: pb.BlockRef,
+    out: Any,
+    get_into: bool,
+    layers: tuple[int, int] | None = None,
+) -> Inbound:
+    """Where one block's payload (or the layer range asked for) lands, before any of
+    the reply's payload bytes are read."""
+    if not ref.found:
+        return Inbound(error_of(ref.error) or miss(get_into))
+    try:
+        header = BlockHeader.unpack(ref.header)
+        lo, hi = (0, header.payload_len) if layers is None else layer_span(header, layers)
+    except CorruptBlock as exc:  # its length is unknown: the stream cannot be resynced
+        conn.fs.broken = True
+        raise TransportError(f"data socket: corrupt block header in reply: {exc}") from exc
+    except KVStoreError as exc:  # the server sent it, so it found the range good
+        conn.fs.broken = True
+        raise TransportError(f"data socket: a range the server sent is not one: {exc}") from exc
+    try:
+        if layers is not None:
+            landing = out_landing(header, out, hi - lo)
+        else:
+            landing = out_landing(header, out) if get_into else fresh_landing(header)
+    except KVStoreError as exc:
+        return Inbound(exc, memoryview(bytearray(hi - lo)))
+    plan = Inbound(miss(get_into), landing.view, landing)
+    plan.digest = checksum_stream()  # hashed while the rest arrives
+    plan.expect = header.checksum if layers is None else ref.range_checksum
+    plan.key = header.key
+    return plan
+
+
+def receive_planned(conn: DataConn, plans: Sequence[Inbound], counters: NodeCounters) -> list[Any]:
+    """Receive the planned payloads, all at once (DataConn.recv_many), and return the
+    per-key results: a payload that fails its checksum is a miss."""
+    views = [memoryview(p.view) for p in plans if p.view is not None]
+    digests = [p.digest for p in plans if p.view is not None]
+    if views:
+        conn.recv_many(views, digests)  # the server is sending them now
+    results = []
+    for p in plans:
+        if p.landing is None:
+            results.append(p.result)
+        elif p.digest.intdigest() != p.expect:
+            counters.inc("corrupt_transfers")
+            log.warning(
+                "block %s failed its checksum after transfer; served as a miss", p.key.hex()
+            )
+            results.append(p.result)
+        else:
+            results.append(p.landing.finish())
+    return results
+
+
 def receive_inline(
     conn: DataConn,
     ref: pb.BlockRef,
@@ -55,35 +139,7 @@ def receive_inline(
 ) -> Any:
     """Receive one block's payload (or the layer range asked for) from the socket;
     returns its per-key result."""
-    if not ref.found:
-        return error_of(ref.error) or miss(get_into)
-    try:
-        header = BlockHeader.unpack(ref.header)
-        lo, hi = (0, header.payload_len) if layers is None else layer_span(header, layers)
-    except CorruptBlock as exc:  # its length is unknown: the stream cannot be resynced
-        conn.fs.broken = True
-        raise TransportError(f"data socket: corrupt block header in reply: {exc}") from exc
-    except KVStoreError as exc:  # the server sent it, so it found the range good
-        conn.fs.broken = True
-        raise TransportError(f"data socket: a range the server sent is not one: {exc}") from exc
-    expect = header.checksum if layers is None else ref.range_checksum
-    try:
-        if layers is not None:
-            landing = out_landing(header, out, hi - lo)
-        else:
-            landing = out_landing(header, out) if get_into else fresh_landing(header)
-    except KVStoreError as exc:
-        conn.discard(hi - lo)
-        return exc
-    digest = checksum_stream()  # hashed while waiting for the rest to arrive
-    conn.recv_into(landing.view, spin=True, digest=digest)  # the server is sending it now
-    if digest.intdigest() != expect:
-        counters.inc("corrupt_transfers")
-        log.warning(
-            "block %s failed its checksum after transfer; served as a miss", header.key.hex()
-        )
-        return miss(get_into)
-    return landing.finish()
+    return receive_planned(conn, [plan_inline(conn, ref, out, get_into, layers)], counters)[0]
 
 
 def ranged(req: pb.GetRequest, layers: tuple[int, int] | None) -> pb.GetRequest:
@@ -134,12 +190,11 @@ class TcpTransport(SocketTransport):
             conn.fs.broken = True
             raise TransportError(f"{len(resp.blocks)} blocks for {len(keys)} keys")
         get_into = outs is not None
-        return [
-            receive_inline(
-                conn, ref, outs[i] if outs is not None else None, get_into, self.counters, layers
-            )
+        plans = [
+            plan_inline(conn, ref, outs[i] if outs is not None else None, get_into, layers)
             for i, ref in enumerate(resp.blocks)
         ]
+        return receive_planned(conn, plans, self.counters)
 
     def write(
         self,
