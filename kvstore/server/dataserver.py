@@ -551,11 +551,21 @@ class _Session:
             self._fill(target.data, n)
             return _SUM.unpack(self.fs.recv_bytes(trailer))[0] if trailer else None
 
+        def fill_all(targets: list[Any]) -> list[int | None]:
+            nonlocal received
+            received = body_len
+            return self._fill_all(targets, [it.nbytes for it in items], trailer)
+
         try:
             scope = req.scope
-            results = self.gw.write(
-                self.principal, scope.model, scope.layout, items, fill, path=self.path
-            )
+            if len(items) > 1 and isinstance(self.fs, UcxFrames):
+                results = self.gw.write_at_once(
+                    self.principal, scope.model, scope.layout, items, fill_all, path=self.path
+                )
+            else:
+                results = self.gw.write(
+                    self.principal, scope.model, scope.layout, items, fill, path=self.path
+                )
         except KVStoreError:
             if not received and not self.fs.broken:
                 self._skip_body(body_len)  # refused whole: the stream stays in step
@@ -612,11 +622,33 @@ class _Session:
         """Receive one item's payload straight into its reservation's extent, under a
         FILL lease: past its deadline the reaper cuts the connection (``_cut``), and the
         caller (Gateway.write) aborts the reservation when this raises."""
+        self._under_fill_lease(n, lambda: self.fs.recv_into(view))
+
+    def _fill_all(self, targets: list[Any], sizes: list[int], trailer: int) -> list[int | None]:
+        """Receive a whole batch's payloads at once (Gateway.write_at_once), each
+        straight into its reservation's extent (a refused item's into scratch), with
+        its xxh3 after it when ``trailer``; returns those checksums (None each without).
+        Under one FILL lease for the whole body."""
+        views: list[memoryview] = []
+        tails = [bytearray(trailer) for _ in sizes] if trailer else []
+        for i, (target, n) in enumerate(zip(targets, sizes, strict=True)):
+            views.append(memoryview(bytearray(n) if target is None else target.data))
+            if trailer:
+                views.append(memoryview(tails[i]))
+        total = sum(sizes) + trailer * len(sizes)
+        self._under_fill_lease(total, lambda: self.fs.recv_many(views, [None] * len(views)))
+        if not trailer:
+            return [None] * len(sizes)
+        return [_SUM.unpack(t)[0] for t in tails]
+
+    def _under_fill_lease(self, n: int, receive: Callable[[], None]) -> None:
+        """Run ``receive`` (of ``n`` payload bytes) under a FILL lease: past its
+        deadline the reaper cuts the connection, and this raises."""
         p, leases = self.principal, self.gw.leases
         ttl = self.gw.fill_deadline_s(n)
         lease = leases.grant(LeaseKind.FILL, self._cut, p.tenant, self.id, ttl_s=ttl)
         try:
-            self.fs.recv_into(view)
+            receive()
         except BaseException:  # the lease is always taken back here, never left behind
             if leases.take(lease.id, p.tenant, LeaseKind.FILL) is None:
                 raise self._stalled(n, ttl) from None

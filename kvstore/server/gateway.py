@@ -407,6 +407,77 @@ class Gateway:
                 out.append(exc)
         return out
 
+    def write_at_once(
+        self,
+        p: Principal,
+        model: str,
+        layout: str,
+        items: Sequence[WriteItem],
+        receive: Callable[[list[Any]], list[int | None]],
+        path: str = "ucx",
+    ) -> list[bool | KVStoreError]:
+        """One write request whose payloads are received together: every item reserved
+        first, then ``receive(buffers)`` fills every reservation's host buffer (None:
+        refused or stored already, its bytes skipped) and returns each item's xxh3 when
+        the writer sent it after the payload (else None), then each item is committed.
+        :meth:`write` takes the items one by one; this is for a transport that gains
+        from having every receive posted at once (UCX, UcxFrames.recv_many), at the
+        price of holding the whole batch's space until its last byte is in. A failing
+        ``receive`` aborts every reservation."""
+        self.check_batch(len(items))
+        ns = self.namespace(p, model, layout)
+        slots, results = self._reserve_all(p, items, ns)
+        try:
+            sums = receive([None if r is None else r.payload for r in slots])
+        except BaseException:
+            for held in slots:
+                if held is not None:
+                    self.node.abort(held)
+            raise
+        out: list[bool | KVStoreError] = []
+        for it, res, got, sent_sum in zip(items, slots, results, sums, strict=True):
+            if res is None:
+                out.append(False if got is None else got)
+                continue
+            csum = it.checksum if sent_sum is None else sent_sum
+            try:
+                out.append(self._commit(p, res, csum, path))
+            except KVStoreError as exc:
+                out.append(exc)
+        return out
+
+    def _reserve_all(
+        self,
+        p: Principal,
+        items: Sequence[WriteItem],
+        ns: Namespace | None,
+        check: Callable[[ValueInfo], None] | None = None,
+    ) -> tuple[list[Reservation | None], list[bool | KVStoreError | None]]:
+        """A reservation for each item (None where it is refused or stored already) and
+        each item's result so far: None (reserved), False (stored already) or its error.
+        Anything other than an item's own error releases what was reserved."""
+        slots: list[Reservation | None] = []
+        results: list[bool | KVStoreError | None] = []
+        try:
+            for it in items:
+                res = None
+                try:
+                    if isinstance(it.info, KVStoreError):
+                        raise it.info
+                    if check is not None:
+                        check(it.info)
+                    res = self._reserve(p, it.key, it.info, ns)
+                    results.append(None if res is not None else False)
+                except KVStoreError as exc:
+                    results.append(self._refused(p, exc))
+                slots.append(res)
+        except BaseException:
+            for held in slots:
+                if held is not None:
+                    self.node.abort(held)
+            raise
+        return slots, results
+
     def begin_layers(
         self,
         p: Principal,
@@ -424,25 +495,7 @@ class Gateway:
         if not 0 < layers <= _MAX_LAYERS:
             raise InvalidValue(f"a layer-by-layer write of {layers} layers")
         ns = self.namespace(p, model, layout)
-        slots: list[Reservation | None] = []
-        results: list[bool | KVStoreError | None] = []
-        try:
-            for it in items:
-                res = None
-                try:
-                    if isinstance(it.info, KVStoreError):
-                        raise it.info
-                    check_layered(it.info, layers)
-                    res = self._reserve(p, it.key, it.info, ns)
-                    results.append(None if res is not None else False)
-                except KVStoreError as exc:
-                    results.append(self._refused(p, exc))
-                slots.append(res)
-        except BaseException:
-            for held in slots:
-                if held is not None:
-                    self.node.abort(held)
-            raise
+        slots, results = self._reserve_all(p, items, ns, lambda info: check_layered(info, layers))
         return LayeredWrite(
             layers,
             [it.nbytes for it in items],

@@ -214,10 +214,12 @@ class FrameSocket:
         body_len: int = 0,
         *,
         before: bytes = b"",
+        wait: bool = True,
     ) -> None:
         """Send one frame; ``body`` buffers are sent from where they are (no copy) and
         must add up to ``body_len``. ``before`` (whole frames, see :func:`frame`) goes
-        out in the same system call, ahead of it."""
+        out in the same system call, ahead of it. A socket's send has copied the bytes
+        when it returns, so ``wait`` (UcxFrames.send) changes nothing here."""
         head = before + HEADER.pack(MAGIC, op, 0, len(meta), body_len) + meta
         try:
             if not body:
@@ -234,10 +236,10 @@ class FrameSocket:
         except OSError as exc:
             raise self._failed(exc, "data socket send") from exc
 
-    def send_more(self, parts: Sequence[Any]) -> None:
+    def send_more(self, parts: Sequence[Any], *, wait: bool = True) -> None:
         """Send more of the body of the frame :meth:`send` started (it was given the
         whole ``body_len`` but only the first parts): a writer that prepares each part
-        while the previous one is on its way."""
+        while the previous one is on its way (``wait``: as in :meth:`send`)."""
         try:
             if self.tls:
                 for part in parts:
@@ -249,6 +251,9 @@ class FrameSocket:
             raise
         except OSError as exc:
             raise self._failed(exc, "data socket send") from exc
+
+    def flush(self) -> None:
+        """Nothing to wait for: every send has copied its bytes (UcxFrames.flush)."""
 
     def send_raw(self, data: bytes) -> None:
         """Send whole frames prepared with :func:`frame`."""

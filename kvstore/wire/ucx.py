@@ -66,6 +66,11 @@ from kvstore.wire.frames import HEADER, MAGIC, ProtocolError
 __all__ = ["UcxFrames", "UcxWorker", "available", "new_tag"]
 
 _SPINS = 64  # progress rounds (~1-2 us each) before arming the worker and sleeping
+# A sleep in the middle of a call lasts this long at most. UCX's blocking mode can miss
+# a wake-up: a sender whose rendezvous fragments were queued behind a full socket slept
+# through the socket draining (seen with a receiver that paced its receives; both ends
+# slept until the call's timeout). Such a miss now costs this, never the timeout.
+_NAP_MS = 20
 _FLUSH_S = 0.5  # at close, how long our last small sends may take to leave
 _COALESCE = 64 << 10  # a frame body this small travels in its header's message (copied)
 _POLL_IN = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP
@@ -194,6 +199,7 @@ class UcxFrames:
         self.broken = False
         self._buf: bytes | bytearray = b""  # received bytes not yet consumed: _buf[_r:]
         self._owned: list[tuple[Any, bytes]] = []  # sends of our own bytes in flight
+        self._lent: list[tuple[Any, memoryview]] = []  # sends from callers' buffers
         self._r = 0
         self._next: Any = None  # a probed message not yet received
         self._poll = select.poll()
@@ -240,8 +246,8 @@ class UcxFrames:
         if now >= until and not idle:
             raise TimeoutError_("UCX: the peer stalled")
         wait_ms = -1 if until == math.inf else max(int((until - now) * 1000) + 1, 1)
-        if idle:
-            wait_ms = 1000 if wait_ms < 0 else min(wait_ms, 1000)
+        cap = 1000 if idle else _NAP_MS
+        wait_ms = cap if wait_ms < 0 else min(wait_ms, cap)
         sock_fd = self.sock.fileno()
         if self.closed or sock_fd < 0:  # closed under this wait: nothing more will come
             raise _PeerClosed("UCX: the connection is closed")
@@ -308,10 +314,11 @@ class UcxFrames:
 
     # -- sending -------------------------------------------------------------------------
 
-    def _post(self, parts: Sequence[Any]) -> list[Any]:
-        """Post one tag message per part; returns the requests to wait for. A ``bytes``
-        part is this connection's to keep alive (nobody can change it), so it is not
-        waited for: it completes while later calls progress the worker."""
+    def _post(self, parts: Sequence[Any]) -> list[tuple[Any, memoryview]]:
+        """Post one tag message per part; returns the requests to wait for, each with
+        the view it reads (which keeps the caller's buffer alive). A ``bytes`` part is
+        this connection's to keep alive (nobody can change it), so it is not waited
+        for: it completes while later calls progress the worker."""
         ep = self.link.ep
         if ep is None or self.closed:
             self.broken = True
@@ -325,7 +332,7 @@ class UcxFrames:
                 continue
             mv = memoryview(part).cast("B")
             if mv.nbytes:
-                reqs.append(ep.tag_send(_arr.Array(mv), self._tag))
+                reqs.append((ep.tag_send(_arr.Array(mv), self._tag), mv))
         return reqs
 
     def _reap(self) -> None:
@@ -352,27 +359,36 @@ class UcxFrames:
         body_len: int = 0,
         *,
         before: bytes = b"",
+        wait: bool = True,
     ) -> None:
         """Send one frame: header and metadata in one message, with the body when it is
         small (copied: one message instead of several), else each body part in one more,
         from where it lies. Returns once the peer has every part the caller owns, so
-        the caller may reuse its buffers."""
+        the caller may reuse its buffers; with ``wait`` False it returns once they are
+        posted, and :meth:`flush` waits for them."""
         head = before + HEADER.pack(MAGIC, op, 0, len(meta), body_len) + meta
         views = [memoryview(b).cast("B") for b in body]
         if sum(v.nbytes for v in views) <= _COALESCE:
-            self._send([head + b"".join(views)])
+            self._send([head + b"".join(views)], wait)
         else:
-            self._send([head, *views])
+            self._send([head, *views], wait)
 
-    def send_more(self, parts: Sequence[Any]) -> None:
-        """More body bytes of the frame :meth:`send` started."""
-        self._send(parts)
+    def send_more(self, parts: Sequence[Any], *, wait: bool = True) -> None:
+        """More body bytes of the frame :meth:`send` started (``wait`` as there)."""
+        self._send(parts, wait)
 
     def send_raw(self, data: bytes) -> None:
         """Send whole frames prepared with frames.frame."""
-        self._send([bytes(data)])
+        self._send([bytes(data)], True)
 
-    def _send(self, parts: Sequence[Any]) -> None:
+    def flush(self) -> None:
+        """Wait until the peer has every part sent with ``wait`` False: a writer that
+        posts a batch's payloads and hashes each while the next ones travel."""
+        lent, self._lent = self._lent, []
+        if lent:
+            self._wait_all([r for r, _ in lent], "send")
+
+    def _send(self, parts: Sequence[Any], wait: bool) -> None:
         try:
             reqs = self._post(parts)
         except KVStoreError:
@@ -381,8 +397,9 @@ class UcxFrames:
         except Exception as exc:
             self.broken = True
             raise _ucx_error(exc, "send") from exc
-        if reqs:
-            self._wait_all(reqs, "send")
+        self._lent.extend(reqs)
+        if wait:
+            self.flush()
 
     # -- receiving -----------------------------------------------------------------------
 

@@ -253,6 +253,26 @@ def test_a_put_that_stalls_over_ucx_is_cut_and_its_space_reclaimed(
         assert c.exists([_key("stalled-put")]) == [False]
 
 
+def test_a_batch_put_that_stalls_over_ucx_leaves_nothing(server_factory: ServerFactory) -> None:
+    """A batch whose payloads are received at once (Gateway.write_at_once): two items
+    announced, the first sent whole, the second never. The FILL lease runs out, every
+    reservation of the batch is aborted, and neither item is stored."""
+    server = server_factory(transport="ucx", put_grace_s=0.5, put_floor_bytes=1 << 30)
+    with server.client(ALPHA) as c:
+        baseline = c.stats()["tiers"]["dram"]["used"]
+        conn = _ucx_conn(server)
+        conn.fs.set_timeout(5)
+        meta = pb.ValueMeta(dtype="uint8", shape=[MiB], kind=0, nbytes=MiB)
+        keys = [_key("stalled-a"), _key("stalled-b")]
+        req = pb.PutRequest(items=[pb.PutItem(key=k, meta=meta, checksum=1) for k in keys])
+        conn.fs.send(Op.PUT, req.SerializeToString(), [np.ones(MiB, np.uint8)], 2 * MiB)
+        with pytest.raises((EOFError, KVStoreError)):
+            conn.fs.recv_header()
+        conn.close()
+        wait_until(lambda: c.stats()["tiers"]["dram"]["used"] == baseline, "space reclaimed")
+        assert c.exists(keys) == [False, False]
+
+
 def test_a_frame_with_another_tag_is_never_read(store_server_ucx: ServerProcess) -> None:
     """Frames only count on the connection's own tag: a message under any other tag
     (a peer that guessed the worker's address but not the tag) is not taken for a

@@ -3,8 +3,9 @@
 so that each test can give it the UCX settings it is about (UCX reads UCX_TLS and
 UCX_NET_DEVICES once per process).
 
-It writes blocks of 1 MiB and 4 MiB, singly and in a batch of 8, reads each back with
-get, get_into and batch_get_into, compares every byte and prints one JSON line: the
+It writes blocks of 1 MiB and 4 MiB, singly and in a batch of 8, then a batch of mixed
+sizes with one item stored already, reads each back with get, get_into and
+batch_get_into (a miss among them), compares every byte and prints one JSON line: the
 transport its connections used and whether every check held (with what failed).
 """
 
@@ -56,6 +57,21 @@ def check(address: str, transport: str = "ucx") -> dict[str, object]:
             failed.append("batch_get_into bytes")
         if c.get(_key(seed, "never")) is not None:
             failed.append("miss")
+        # a batch of mixed sizes with an item stored already; read back with a miss
+        mixed_keys = [keys[0], _key(seed, "m100"), _key(seed, "m2m"), _key(seed, "m3k")]
+        mixed = [
+            values[0],
+            *(rng.integers(0, 255, n, dtype=np.uint8) for n in (100, 2 * MiB, 3072)),
+        ]
+        if c.batch_put(mixed_keys, mixed) != [False, True, True, True]:
+            failed.append("mixed batch_put")
+        read_keys = [*mixed_keys[1:3], _key(seed, "never"), mixed_keys[3]]
+        outs = [np.zeros(v.nbytes, np.uint8) for v in (mixed[1], mixed[2], mixed[1], mixed[3])]
+        if c.batch_get_into(read_keys, outs) != [True, True, False, True]:
+            failed.append("mixed batch_get_into results")
+        wanted = [(outs[0], mixed[1]), (outs[1], mixed[2]), (outs[3], mixed[3])]
+        if not all(np.array_equal(o, v) for o, v in wanted):
+            failed.append("mixed batch_get_into bytes")
         transport = c.transport
         served = c.stats()["server"]
     return {

@@ -193,23 +193,30 @@ class DataConn:
         deadline: float,
         body: Sequence[Any] = (),
         body_len: int = 0,
+        *,
+        wait: bool = True,
     ) -> None:
         """Send a request whose reply is read later with :meth:`read_reply`: a pipelined
         writer sends the next request while the server works on this one. Replies
         come back in request order. ``body`` may be the first parts of ``body_len``
-        bytes, the rest following with :meth:`send_more`."""
+        bytes, the rest following with :meth:`send_more`. With ``wait`` False the
+        parts may still be read after this returns (over UCX): :meth:`read_reply`
+        waits for them first."""
         fs = self.fs
         fs.set_deadline(deadline)
-        fs.send(op, msg.SerializeToString(), body, body_len, before=self._owed_frames())
+        before = self._owed_frames()
+        fs.send(op, msg.SerializeToString(), body, body_len, before=before, wait=wait)
 
-    def send_more(self, parts: Sequence[Any]) -> None:
-        """More body bytes of the request :meth:`send_only` started."""
-        self.fs.send_more(parts)
+    def send_more(self, parts: Sequence[Any], *, wait: bool = True) -> None:
+        """More body bytes of the request :meth:`send_only` started (``wait``: as
+        there)."""
+        self.fs.send_more(parts, wait=wait)
 
     def read_reply(self, op: Op, reply: type[M], deadline: float) -> M:
         """The reply to the oldest request sent with :meth:`send_only` and not yet read
         (an ERROR reply raises its error; the stream stays in step)."""
         self.fs.set_deadline(deadline)
+        self.fs.flush()
         self._poll_reply()
         return self._reply(self.fs, op | REPLY, reply)[0]
 

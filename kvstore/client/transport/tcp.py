@@ -256,13 +256,15 @@ class TcpTransport(SocketTransport):
         for it in items:
             req.items.add(key=it.key, meta=meta_of(it.info))
         total = sum(it.info.nbytes + _SUM.size for it in items)
-        conn.send_only(Op.PUT, req, deadline, [items[0].data], total)
+        # over UCX a payload's send is not waited for (its receiver pulls it while this
+        # thread hashes the next); read_reply waits for all of them
+        conn.send_only(Op.PUT, req, deadline, [items[0].data], total, wait=False)
         for i, it in enumerate(items):
             it.sum = checksum(it.data)  # the payload is on its way; hashed from cache
             after: list[Any] = [_SUM.pack(it.sum)]
             if i + 1 < len(items):
                 after.append(items[i + 1].data)
-            conn.send_more(after)
+            conn.send_more(after, wait=False)
 
 
 class _StreamedPut(LayerSink):
