@@ -50,7 +50,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("version", "node_id", "tenant", "admin", "host_id", "hostname", "data_port", "shm_name", "shm_size", "lease_ttl_ms", "limits", "tiers", "instance_id", "draining", "unix_socket", "shm_index", "pid", "scope_key", "put_sums_follow", "ucx", "ucx_address", "ucx_tag", "put_layers")
+    __slots__ = ("version", "node_id", "tenant", "admin", "host_id", "hostname", "data_port", "shm_name", "shm_size", "lease_ttl_ms", "limits", "tiers", "instance_id", "draining", "unix_socket", "shm_index", "pid", "scope_key", "put_sums_follow", "ucx", "ucx_address", "ucx_tag", "put_layers", "ucx_wire")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,7 @@ class InfoResponse(_message.Message):
     UCX_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     UCX_TAG_FIELD_NUMBER: _ClassVar[int]
     PUT_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    UCX_WIRE_FIELD_NUMBER: _ClassVar[int]
     version: str
     node_id: str
     tenant: str
@@ -97,7 +98,8 @@ class InfoResponse(_message.Message):
     ucx_address: bytes
     ucx_tag: int
     put_layers: bool
-    def __init__(self, version: _Optional[str] = ..., node_id: _Optional[str] = ..., tenant: _Optional[str] = ..., admin: _Optional[bool] = ..., host_id: _Optional[str] = ..., hostname: _Optional[str] = ..., data_port: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_size: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., tiers: _Optional[_Iterable[str]] = ..., instance_id: _Optional[str] = ..., draining: _Optional[bool] = ..., unix_socket: _Optional[str] = ..., shm_index: _Optional[str] = ..., pid: _Optional[int] = ..., scope_key: _Optional[bytes] = ..., put_sums_follow: _Optional[bool] = ..., ucx: _Optional[bool] = ..., ucx_address: _Optional[bytes] = ..., ucx_tag: _Optional[int] = ..., put_layers: _Optional[bool] = ...) -> None: ...
+    ucx_wire: int
+    def __init__(self, version: _Optional[str] = ..., node_id: _Optional[str] = ..., tenant: _Optional[str] = ..., admin: _Optional[bool] = ..., host_id: _Optional[str] = ..., hostname: _Optional[str] = ..., data_port: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_size: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., tiers: _Optional[_Iterable[str]] = ..., instance_id: _Optional[str] = ..., draining: _Optional[bool] = ..., unix_socket: _Optional[str] = ..., shm_index: _Optional[str] = ..., pid: _Optional[int] = ..., scope_key: _Optional[bytes] = ..., put_sums_follow: _Optional[bool] = ..., ucx: _Optional[bool] = ..., ucx_address: _Optional[bytes] = ..., ucx_tag: _Optional[int] = ..., put_layers: _Optional[bool] = ..., ucx_wire: _Optional[int] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
@@ -432,15 +434,17 @@ class DrainResponse(_message.Message):
     def __init__(self, draining: _Optional[bool] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("token", "protocol", "pid", "host_id", "ucx_address")
+    __slots__ = ("token", "protocol", "pid", "host_id", "ucx_address", "ucx_wire")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     UCX_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    UCX_WIRE_FIELD_NUMBER: _ClassVar[int]
     token: str
     protocol: int
     pid: int
     host_id: str
     ucx_address: bytes
-    def __init__(self, token: _Optional[str] = ..., protocol: _Optional[int] = ..., pid: _Optional[int] = ..., host_id: _Optional[str] = ..., ucx_address: _Optional[bytes] = ...) -> None: ...
+    ucx_wire: int
+    def __init__(self, token: _Optional[str] = ..., protocol: _Optional[int] = ..., pid: _Optional[int] = ..., host_id: _Optional[str] = ..., ucx_address: _Optional[bytes] = ..., ucx_wire: _Optional[int] = ...) -> None: ...

@@ -75,6 +75,7 @@ from kvstore.wire.frames import (
     socket_errors,
 )
 from kvstore.wire.polling import IdlePoller, same_process
+from kvstore.wire.ucx import WIRE as UCX_WIRE
 from kvstore.wire.ucx import UcxFrames, UcxWorker, new_tag
 from kvstore.wire.ucx import available as ucx_available
 
@@ -378,9 +379,9 @@ class _Session:
             self.in_process = True  # no connection polls until this one ends
             self.server._count_in_process(1)
         info = self.server.info(self.p)
-        link = self._ucx_link(hello.ucx_address) if hello.ucx_address else None
+        link = self._ucx_link(hello) if hello.ucx_address else None
         if link is not None:
-            info.ucx_address, info.ucx_tag = link.address, new_tag()
+            info.ucx_address, info.ucx_tag, info.ucx_wire = link.address, new_tag(), UCX_WIRE
         try:
             self.fs.send(Op.INFO, info.SerializeToString())
         except BaseException:
@@ -393,15 +394,24 @@ class _Session:
             self.fs.set_timeout(self.server.config.io_timeout_s)
             self.path = "ucx"
 
-    def _ucx_link(self, peer: bytes) -> UcxWorker | None:
+    def _ucx_link(self, hello: pb.Hello) -> UcxWorker | None:
         """A UCX worker and endpoint for this connection, when this server offers UCX
-        (None: the client stays on its socket; INFO says so by leaving the address
-        empty)."""
+        and speaks the client's UCX framing (None: the client stays on its socket; INFO
+        says so by leaving the address empty)."""
         if not self.server.ucx:
+            return None
+        if hello.ucx_wire != UCX_WIRE:
+            log.warning(
+                "data connection %d: the client speaks UCX framing %d, this server %d; it "
+                "stays on its socket",
+                self.id,
+                hello.ucx_wire,
+                UCX_WIRE,
+            )
             return None
         try:
             link = UcxWorker()
-            link.connect(peer)
+            link.connect(hello.ucx_address)
         except KVStoreError as exc:
             log.warning("data connection %d: no UCX (%s); it stays on its socket", self.id, exc)
             return None

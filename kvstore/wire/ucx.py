@@ -6,15 +6,21 @@ for this connection, an endpoint to the client's worker and a random 64-bit tag,
 answers INFO with its own worker address and that tag. From then on both ends speak the
 same frames as before (kvstore/wire/frames.py), over UCX:
 
-- a frame's header and metadata (with any frames queued ahead of it) go as one tag
+- a frame's header and metadata (with any frames queued ahead of it) go as one control
   message, with the body when it is 64 KiB or less (copied: one message instead of
-  several); a larger body goes as one more message per part, sent from where it lies
-  (UCX registers it; over rendezvous the receiver pulls it straight into its
-  destination);
-- a receiver probes for the next message of the connection's tag and, when the message
-  fits what it is reading, receives it straight into the destination (the caller's
-  tensor, a reserved slab extent); anything else lands in a small buffer first. Payloads
-  are still checked against their xxh3 as on TCP.
+  several); a larger body goes as one payload message per part, sent from where it
+  lies (UCX registers it; over rendezvous the receiver pulls it straight into its
+  destination). Control messages, payloads and the tail of a control message too big
+  for the receiver's control buffer travel under three tags derived from the
+  connection's, so a receive posted for one kind never takes a message of another;
+- a control message starts with its length. Each end keeps a receive posted into its
+  control buffer, so a request or reply header is in place when it arrives, with no
+  probe and no receive to post then;
+- a payload is probed (its size is not known ahead) and, when it fits what is being
+  read, received straight into the destination (the caller's tensor, a reserved slab
+  extent); anything else lands in a small buffer first. A reply's payloads are
+  received all at once (:meth:`UcxFrames.recv_many`). Payloads are still checked
+  against their xxh3 as on TCP.
 
 Why worker-address endpoints rather than a UCX listener: an endpoint a listener accepts
 belongs to the listener's worker (one for all connections, not thread-safe).
@@ -54,6 +60,7 @@ import os
 import secrets
 import select
 import socket
+import struct
 import threading
 import time
 from collections import deque
@@ -63,7 +70,13 @@ from typing import Any
 from kvstore.errors import KVStoreError, TimeoutError_, TransportError
 from kvstore.wire.frames import HEADER, MAGIC, ProtocolError
 
-__all__ = ["UcxFrames", "UcxWorker", "available", "new_tag"]
+__all__ = ["WIRE", "UcxFrames", "UcxWorker", "available", "new_tag"]
+
+# The version of the framing below (Hello.ucx_wire, InfoResponse.ucx_wire). 2: control
+# messages, payloads and control overflow under three tags, control messages length-
+# prefixed and received into a posted buffer. Version 1 (one tag, every message probed)
+# sent no version.
+WIRE = 2
 
 _SPINS = 64  # progress rounds (~1-2 us each) before arming the worker and sleeping
 # A sleep in the middle of a call lasts this long at most. UCX's blocking mode can miss
@@ -72,7 +85,9 @@ _SPINS = 64  # progress rounds (~1-2 us each) before arming the worker and sleep
 # slept until the call's timeout). Such a miss now costs this, never the timeout.
 _NAP_MS = 20
 _FLUSH_S = 0.5  # at close, how long our last small sends may take to leave
+_LEN = struct.Struct("<I")  # a control message's length, ahead of it
 _COALESCE = 64 << 10  # a frame body this small travels in its header's message (copied)
+_CTL_CAP = _COALESCE + (16 << 10)  # the control buffer: a header, metadata, a small body
 _POLL_IN = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP
 # Defaults unless the environment sets them: rendezvous fragments in host memory (no
 # GPU), and 256 KiB tcp segments (UCX's 8 KiB default moved 1 MiB at 0.8 GB/s on
@@ -205,8 +220,15 @@ class UcxFrames:
         self._poll = select.poll()
         self._poll.register(link.fd, select.POLLIN)
         self._poll.register(sock.fileno(), _POLL_IN)
-        self._tag = _lib.UCXXTag(tag)
+        base = tag & ~3
+        self._ctl = _lib.UCXXTag(base)  # control messages (see the module)
+        self._data = _lib.UCXXTag(base | 1)  # payloads
+        self._over = _lib.UCXXTag(base | 2)  # the rest of an oversize control message
         self._mask = _lib.UCXXTagMaskFull
+        self._ctl_left = 0  # bytes of the current frame's header or metadata to come
+        self._ctl_buf = bytearray(_CTL_CAP)
+        self._ctl_req: Any = None
+        self._post_ctl()
 
     @property
     def _w(self) -> Any:
@@ -314,10 +336,10 @@ class UcxFrames:
 
     # -- sending -------------------------------------------------------------------------
 
-    def _post(self, parts: Sequence[Any]) -> list[tuple[Any, memoryview]]:
-        """Post one tag message per part; returns the requests to wait for, each with
-        the view it reads (which keeps the caller's buffer alive). A ``bytes`` part is
-        this connection's to keep alive (nobody can change it), so it is not waited
+    def _post(self, parts: Sequence[tuple[Any, Any]]) -> list[tuple[Any, memoryview]]:
+        """Post one tag message per (tag, part); returns the requests to wait for, each
+        with the view it reads (which keeps the caller's buffer alive). A ``bytes`` part
+        is this connection's to keep alive (nobody can change it), so it is not waited
         for: it completes while later calls progress the worker."""
         ep = self.link.ep
         if ep is None or self.closed:
@@ -325,14 +347,14 @@ class UcxFrames:
             raise TransportError("UCX: the connection is closed")
         self._reap()
         reqs = []
-        for part in parts:
+        for tag, part in parts:
             if type(part) is bytes:
                 if part:
-                    self._owned.append((ep.tag_send(_arr.Array(part), self._tag), part))
+                    self._owned.append((ep.tag_send(_arr.Array(part), tag), part))
                 continue
             mv = memoryview(part).cast("B")
             if mv.nbytes:
-                reqs.append((ep.tag_send(_arr.Array(mv), self._tag), mv))
+                reqs.append((ep.tag_send(_arr.Array(mv), tag), mv))
         return reqs
 
     def _reap(self) -> None:
@@ -361,25 +383,33 @@ class UcxFrames:
         before: bytes = b"",
         wait: bool = True,
     ) -> None:
-        """Send one frame: header and metadata in one message, with the body when it is
-        small (copied: one message instead of several), else each body part in one more,
-        from where it lies. Returns once the peer has every part the caller owns, so
-        the caller may reuse its buffers; with ``wait`` False it returns once they are
-        posted, and :meth:`flush` waits for them."""
+        """Send one frame: header and metadata in one control message, with the body
+        when it is small (copied: one message instead of several), else each body part
+        in one payload message, from where it lies. Returns once the peer has every
+        part the caller owns, so the caller may reuse its buffers; with ``wait`` False
+        it returns once they are posted, and :meth:`flush` waits for them."""
         head = before + HEADER.pack(MAGIC, op, 0, len(meta), body_len) + meta
         views = [memoryview(b).cast("B") for b in body]
         if sum(v.nbytes for v in views) <= _COALESCE:
-            self._send([head + b"".join(views)], wait)
+            self._send(self._control(head + b"".join(views)), wait)
         else:
-            self._send([head, *views], wait)
+            self._send(self._control(head) + [(self._data, v) for v in views], wait)
 
     def send_more(self, parts: Sequence[Any], *, wait: bool = True) -> None:
         """More body bytes of the frame :meth:`send` started (``wait`` as there)."""
-        self._send(parts, wait)
+        self._send([(self._data, p) for p in parts], wait)
 
     def send_raw(self, data: bytes) -> None:
         """Send whole frames prepared with frames.frame."""
-        self._send([bytes(data)], True)
+        self._send(self._control(bytes(data)), True)
+
+    def _control(self, content: bytes) -> list[tuple[Any, bytes]]:
+        """``content`` as a control message: its length, then itself; what does not
+        fit the receiver's control buffer follows under the overflow tag."""
+        msg = _LEN.pack(len(content)) + content
+        if len(msg) <= _CTL_CAP:
+            return [(self._ctl, msg)]
+        return [(self._ctl, msg[:_CTL_CAP]), (self._over, msg[_CTL_CAP:])]
 
     def flush(self) -> None:
         """Wait until the peer has every part sent with ``wait`` False: a writer that
@@ -388,7 +418,7 @@ class UcxFrames:
         if lent:
             self._wait_all([r for r, _ in lent], "send")
 
-    def _send(self, parts: Sequence[Any], wait: bool) -> None:
+    def _send(self, parts: Sequence[tuple[Any, Any]], wait: bool) -> None:
         try:
             reqs = self._post(parts)
         except KVStoreError:
@@ -405,15 +435,57 @@ class UcxFrames:
 
     @property
     def buffered(self) -> int:
-        """Bytes received (or probed) and not yet consumed."""
-        return len(self._buf) - self._r + (self._next.length if self._next is not None else 0)
+        """Bytes received (or announced) and not yet consumed."""
+        ready = self._ctl_req is not None and self._ctl_req.completed
+        nxt = self._next.length if self._next is not None else 0
+        return len(self._buf) - self._r + nxt + (1 if ready else 0)
 
-    def _probe(self, until: float, idle: bool = False) -> Any:
-        """The next message of this connection (probed and taken off UCX's queue)."""
+    def _post_ctl(self) -> None:
+        """Post the receive of the next control message into the control buffer: a
+        request or reply header lands as it arrives, with no probe and no receive to
+        post then."""
+        try:
+            self._ctl_req = self._w.tag_recv(_arr.Array(self._ctl_buf), self._ctl, self._mask)
+        except KVStoreError:
+            raise
+        except Exception as exc:
+            self.broken = True
+            raise _ucx_error(exc, "receive") from exc
+
+    def _next_control(self, until: float, idle: bool) -> None:
+        """Wait for the next control message and make its content the buffered bytes
+        (any bytes still buffered are a protocol error: the peer is out of step)."""
+        req = self._ctl_req
+        self._progress_until(lambda: req.completed, until, idle)
+        try:
+            req.check_error()  # a message larger than the control buffer: truncated
+        except Exception as exc:
+            self.broken = True
+            raise _ucx_error(exc, "control receive") from exc
+        (total,) = _LEN.unpack_from(self._ctl_buf)
+        if not 0 < total <= self._ctl_limit():
+            self.broken = True
+            raise ProtocolError(f"UCX: a control message of {total} bytes")
+        first = min(total, _CTL_CAP - _LEN.size)
+        content = bytearray(total)
+        content[:first] = self._ctl_buf[_LEN.size : _LEN.size + first]
+        self._post_ctl()
+        if total > first:
+            rest = memoryview(content)[first:]
+            self._wait_all([self._w.tag_recv(_arr.Array(rest), self._over, self._mask)], "receive")
+        self._buf, self._r = content, 0
+
+    def _ctl_limit(self) -> int:
+        """The largest control message a peer may send: owed frames ahead, a header,
+        metadata within max_meta and a small body."""
+        return 2 * (self.max_meta + HEADER.size) + _COALESCE
+
+    def _probe(self, until: float) -> Any:
+        """The next payload message (probed and taken off UCX's queue)."""
         if self._next is not None:
             found, self._next = self._next, None
             return found
-        w, tag, mask = self._w, self._tag, self._mask
+        w, tag, mask = self._w, self._data, self._mask
         box: list[Any] = []
 
         def arrived() -> bool:
@@ -423,18 +495,24 @@ class UcxFrames:
                 return True
             return False
 
-        self._progress_until(arrived, until, idle)
+        self._progress_until(arrived, until)
         return box[0]
 
     def _take(self, view: memoryview, until: float, idle: bool = False) -> int:
-        """Fill ``view`` from buffered bytes or with the next message; returns how many
-        bytes landed. A message that fits lands straight in ``view``."""
+        """Fill ``view`` from buffered bytes, else with the next control message (while
+        the frame's header or metadata is being read) or the next payload message;
+        returns how many bytes landed. A payload that fits lands straight in ``view``."""
+        if self._r >= len(self._buf) and self._ctl_left:
+            self._next_control(until, idle)
         if self._r < len(self._buf):
             k = min(len(self._buf) - self._r, view.nbytes)
+            if self._ctl_left:
+                k = min(k, self._ctl_left)
+                self._ctl_left -= k
             view[:k] = self._buf[self._r : self._r + k]
             self._r += k
             return k
-        msg = self._probe(until, idle)
+        msg = self._probe(until)
         n = int(msg.length)
         if n <= view.nbytes:
             self._recv_msg(view[:n], msg)
@@ -456,17 +534,15 @@ class UcxFrames:
         self._wait_all([req], "receive")
 
     def poll_next(self, keep_going: Callable[[], bool]) -> bool:
-        """Poll, without sleeping, for the next message while ``keep_going()`` holds;
-        True once one is here (FrameSocket.poll_next)."""
+        """Poll, without sleeping, for the next control message while ``keep_going()``
+        holds; True once one is here (FrameSocket.poll_next)."""
         if self.buffered:
             return True
-        w, tag, mask = self._w, self._tag, self._mask
+        w, req = self._w, self._ctl_req
         try:
             while keep_going():
                 w.progress()
-                r = w.tag_probe(tag, mask, True)
-                if r.matched:
-                    self._next = r
+                if req.completed:
                     return True
         except Exception:
             return True
@@ -494,6 +570,7 @@ class UcxFrames:
         if self.frame_timeout is not None:
             self._frame_until = time.monotonic() + self.frame_timeout if self.buffered else 0.0
         head = bytearray(HEADER.size)
+        self._ctl_left = HEADER.size
         self._read(memoryview(head), idle=idle, header=True)
         magic, op, _flags, meta_len, body_len = HEADER.unpack(head)
         if magic != MAGIC:
@@ -504,6 +581,7 @@ class UcxFrames:
             raise ProtocolError(
                 f"UCX: frame metadata of {meta_len} bytes exceeds the limit of {self.max_meta}"
             )
+        self._ctl_left = meta_len
         if self.frame_timeout is not None and not self._frame_until:
             self._frame_until = time.monotonic() + self.frame_timeout
         return op, meta_len, body_len
@@ -572,7 +650,7 @@ class UcxFrames:
             self._feed(flat, digests, j)
         fed = i  # views [0, fed) are whole and hashed
         posted: deque[tuple[Any, int]] = deque()  # (request, the view it completes or -1)
-        w, tag, mask = self._w, self._tag, self._mask
+        w, tag, mask = self._w, self._data, self._mask
         odd = False  # a message runs past the end of its view: stop posting
 
         def step() -> bool:

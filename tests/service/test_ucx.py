@@ -27,7 +27,7 @@ from kvstore._proto import store_pb2 as pb
 from kvstore.client.transport.conn import DataConn
 from kvstore.config import ServerConfig
 from kvstore.errors import ConfigError, KVStoreError, TimeoutError_, Unavailable
-from kvstore.wire.frames import HEADER, MAGIC, Op
+from kvstore.wire.frames import HEADER, MAGIC, PROTOCOL, REPLY, Op
 from kvstore.wire.ucx import UcxFrames
 from kvstore.wire.ucx import available as ucx_available
 from tests.support.server_fixtures import ServerFactory
@@ -104,6 +104,48 @@ def test_ucx_asked_of_a_server_without_it_is_a_clear_error(store_server: ServerP
         pytest.raises(Unavailable, match="offers no UCX"),
     ):
         c.exists([_key("no-ucx")])
+
+
+def test_a_client_of_another_ucx_framing_stays_on_its_socket(
+    store_server_ucx: ServerProcess,
+) -> None:
+    """A HELLO with a UCX address but another framing version (an older client): the
+    server does not move the connection, INFO says so, and the socket keeps working."""
+    import socket as socket_
+
+    from kvstore.wire.frames import FrameSocket
+    from kvstore.wire.ucx import UcxWorker
+
+    link = UcxWorker()
+    sock = socket_.create_connection(("127.0.0.1", store_server_ucx.data_port), timeout=10)
+    fs = FrameSocket(sock, max_meta=1 << 20)
+    try:
+        fs.set_timeout(10)
+        hello = pb.Hello(token=ALPHA.token, protocol=PROTOCOL, ucx_address=link.address)
+        hello.ucx_wire = 1
+        fs.send(Op.HELLO, hello.SerializeToString())
+        op, meta_len, _ = fs.recv_header()
+        info = pb.InfoResponse.FromString(fs.recv_bytes(meta_len))
+        assert op == Op.INFO and info.ucx and not info.ucx_address
+        fs.send(Op.EXISTS, pb.KeysRequest(keys=[_key("x")]).SerializeToString())
+        op, meta_len, _ = fs.recv_header()
+        assert op == Op.EXISTS | REPLY
+        assert list(pb.ExistsResponse.FromString(fs.recv_bytes(meta_len)).present) == [False]
+    finally:
+        fs.close()
+        link.close()
+
+
+def test_a_request_larger_than_the_control_buffer(store_server_ucx: ServerProcess) -> None:
+    """Requests and replies whose control message outgrows the control buffer (its
+    tail goes under the overflow tag): 1,024 small values put and read back at once,
+    their metadata and bodies in one control message each way."""
+    keys = [_key(f"many-{i}") for i in range(1024)]
+    values = [f"value {i}".encode().ljust(60, b"-") for i in range(1024)]
+    with store_server_ucx.client(ALPHA, transport="ucx") as c:
+        assert c.batch_put(keys, values) == [True] * 1024
+        assert c.batch_get(keys) == values
+        assert c.exists([*keys[:3], _key("not-there")]) == [True, True, True, False]
 
 
 def test_ucx_with_tls_is_refused_at_configuration() -> None:
@@ -280,12 +322,10 @@ def test_a_frame_with_another_tag_is_never_read(store_server_ucx: ServerProcess)
     conn = _ucx_conn(store_server_ucx)
     fs = conn.fs
     assert isinstance(fs, UcxFrames)
-    good_tag = fs.tag
-    fs.tag ^= 1  # send as a stranger would
-    fs._tag = type(fs._tag)(fs.tag)
+    good = fs._ctl
+    fs._ctl = type(good)((fs.tag & ~3) ^ (1 << 40))  # send as a stranger would
     fs.send(Op.EXISTS, pb.KeysRequest(keys=[_key("x")]).SerializeToString())
-    fs.tag = good_tag
-    fs._tag = type(fs._tag)(good_tag)
+    fs._ctl = good
     fs.set_timeout(0.5)
     with pytest.raises(TimeoutError_):  # no reply: the server never saw a request
         fs.recv_header()

@@ -19,9 +19,9 @@ import pytest
 import xxhash
 
 from kvstore.blocks import checksum_stream
-from kvstore.errors import TimeoutError_
-from kvstore.wire.frames import Op
-from kvstore.wire.ucx import UcxFrames, UcxWorker, new_tag
+from kvstore.errors import KVStoreError, TimeoutError_
+from kvstore.wire.frames import Op, ProtocolError
+from kvstore.wire.ucx import _CTL_CAP, _LEN, UcxFrames, UcxWorker, new_tag
 from kvstore.wire.ucx import available as ucx_available
 
 pytestmark = pytest.mark.skipif(not ucx_available(), reason="ucxx is not installed")
@@ -150,3 +150,61 @@ def test_a_sender_that_stalls_mid_batch_times_out(ucx_pair: tuple[UcxFrames, Ucx
     t.join(20)
     assert np.array_equal(outs[0], sent)
     assert not outs[1].any()
+
+
+def test_metadata_larger_than_the_control_buffer_arrives_whole(
+    ucx_pair: tuple[UcxFrames, UcxFrames],
+) -> None:
+    """A control message longer than the receiver's control buffer: its tail follows
+    under the overflow tag, and the frame after it is read in step."""
+    sender, receiver = ucx_pair
+    meta = np.random.default_rng(7).integers(0, 255, 3 * _CTL_CAP, np.uint8).tobytes()
+    small = _payload(100, 8)
+
+    def send() -> None:
+        sender.send(Op.EXISTS, meta)
+        sender.send(Op.GET, b"next", [small], small.nbytes)
+        sender._flush_owned()
+
+    t = _Sender(send)
+    op, meta_len, body_len = receiver.recv_header()
+    assert (op, meta_len, body_len) == (Op.EXISTS, len(meta), 0)
+    assert receiver.recv_bytes(meta_len) == meta
+    op, meta_len, body_len = receiver.recv_header()
+    assert (op, receiver.recv_bytes(meta_len), body_len) == (Op.GET, b"next", 100)
+    out = np.zeros(100, np.uint8)
+    receiver.recv_into(memoryview(out))
+    assert np.array_equal(out, small)
+    t.join(20)
+    assert not t.errors
+
+
+@pytest.mark.parametrize("claim", [0, 1 << 30])
+def test_a_control_message_with_a_false_length_is_refused(
+    ucx_pair: tuple[UcxFrames, UcxFrames], claim: int
+) -> None:
+    """A peer that claims an empty or a huge control message: a protocol error, and the
+    connection is done."""
+    sender, receiver = ucx_pair
+    t = _Sender(
+        lambda: (sender._send([(sender._ctl, _LEN.pack(claim))], True), sender._flush_owned())
+    )
+    with pytest.raises(ProtocolError):
+        receiver.recv_header()
+    assert receiver.broken
+    t.join(20)
+
+
+def test_a_control_message_past_the_buffer_is_an_error_not_a_frame(
+    ucx_pair: tuple[UcxFrames, UcxFrames],
+) -> None:
+    """More bytes under the control tag than the control buffer holds, with no
+    overflow: UCX truncates the receive, which fails the connection."""
+    sender, receiver = ucx_pair
+    blob = _LEN.pack(2 * _CTL_CAP) + bytes(2 * _CTL_CAP)
+    t = _Sender(lambda: (sender._send([(sender._ctl, blob)], True), sender._flush_owned()))
+    receiver.set_timeout(5)
+    with pytest.raises(KVStoreError):
+        receiver.recv_header()
+    assert receiver.broken
+    t.join(20)

@@ -40,6 +40,7 @@ from kvstore.wire.frames import (
 )
 from kvstore.wire.locality import host_id
 from kvstore.wire.polling import same_process
+from kvstore.wire.ucx import WIRE as UCX_WIRE
 from kvstore.wire.ucx import UcxFrames, UcxWorker
 
 __all__ = ["DataConn"]
@@ -121,10 +122,15 @@ class DataConn:
             hello = pb.Hello(token=token, protocol=PROTOCOL, pid=os.getpid(), host_id=host_id())
             if ucx:
                 link = UcxWorker()
-                hello.ucx_address = link.address
+                hello.ucx_address, hello.ucx_wire = link.address, UCX_WIRE
             fs.send(Op.HELLO, hello.SerializeToString())
             info = cls._reply(fs, Op.INFO, pb.InfoResponse)[0]
             if link is not None and info.ucx_address:
+                if info.ucx_wire != UCX_WIRE:  # it has moved: nothing else is understood
+                    raise TransportError(
+                        f"the server speaks UCX framing {info.ucx_wire}, this client "
+                        f"{UCX_WIRE}: upgrade the older of the two"
+                    )
                 link.connect(info.ucx_address)
                 moved = UcxFrames(link, info.ucx_tag, fs.sock, max_meta=max_meta)
                 return cls(moved, info)
