@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.blocks import HEADER_SIZE, BlockHeader, ValueInfo, describe, materialize
+from kvstore.blocks import HEADER_SIZE, KIND_BYTES, BlockHeader, ValueInfo, describe, materialize
 from kvstore.config import NodeConfig
 from kvstore.errors import (
     BlockTooLarge,
@@ -48,6 +48,7 @@ from kvstore.tiers.memory import MemoryTier
 __all__ = ["BlockRead", "Reservation", "StoreNode"]
 
 _ZERO_NS = b"\x00" * 16
+_NO_KEY = BlockKey(b"\x00" * 16)  # a credit's, until bind() names the block
 
 
 @dataclass(slots=True)
@@ -260,6 +261,66 @@ class StoreNode:
             raise StorageError(f"the {top.kind.value} tier cannot take reservations")
         shm_offset = place if top.shm_name is not None else -1
         return Reservation(k, value_info, nsfp, 0, place, size, shm_offset, fill)
+
+    def reserve_credit(self, nbytes: int, *, namespace: Namespace | None = None) -> Reservation:
+        """Space in the top tier for a block of ``nbytes`` whose key is not known yet: a
+        same-host writer's next put fills it first and names it in the one request
+        that commits it (kvstore/server/gateway.py, credits), which saves the put its
+        reservation round trip. Counted against the namespace's budget like any
+        reservation; :meth:`bind` gives it its key, :meth:`abort` frees it."""
+        self._check_open()
+        if nbytes > self.config.max_value_bytes:
+            raise BlockTooLarge(
+                f"block of {nbytes} bytes exceeds max_value_bytes {self.config.max_value_bytes}"
+            )
+        nsfp = _ZERO_NS if namespace is None else namespace.fingerprint()
+        size = HEADER_SIZE + nbytes
+        place = self._mover.make_room(0, size, fp=nsfp, reservation=True)
+        assert place is not None  # only a key already stored gives no place
+        top = self._tiers[0]
+        fill = top.payload(place, nbytes)
+        if fill is None:
+            self._index.discard(_NO_KEY, 0, place, reserved=(nsfp, size))
+            raise StorageError(f"the {top.kind.value} tier cannot take reservations")
+        shm_offset = place if top.shm_name is not None else -1
+        info = ValueInfo("uint8", (nbytes,), KIND_BYTES, nbytes)
+        return Reservation(_NO_KEY, info, nsfp, 0, place, size, shm_offset, fill)
+
+    def bind(
+        self,
+        credit: Reservation,
+        key: bytes,
+        info: ValueInfo,
+        *,
+        namespace: Namespace | None = None,
+    ) -> Reservation:
+        """The reservation of block ``key`` in a credit's space (:meth:`reserve_credit`),
+        filled already; commit it as any other. Raises, leaving the credit as it was
+        (the caller aborts it), when the block is not the credit's size or namespace,
+        or does not fit the namespace's layout; ReservationError when the credit was
+        bound or aborted already."""
+        k = as_key(key)
+        if info.nbytes != credit.info.nbytes:
+            raise InvalidValue(
+                f"a block of {info.nbytes} bytes in a credit of {credit.info.nbytes}"
+            )
+        nsfp = _ZERO_NS if namespace is None else namespace.fingerprint()
+        if nsfp != credit.namespace_fp:
+            raise InvalidValue("a credit reserved for another namespace")
+        if namespace is not None:
+            info.check_layout(namespace.kv_layout)
+        if not credit._settle.acquire(blocking=False):
+            raise ReservationError("the credit was used or aborted already")
+        return Reservation(
+            k,
+            info,
+            nsfp,
+            credit.level,
+            credit.offset,
+            credit.size,
+            credit.shm_offset,
+            credit._bytes,
+        )
 
     def commit(self, res: Reservation, *, expected_checksum: int | None = None) -> bool:
         """Phase two: checksum the filled payload, write the header, make it visible.
