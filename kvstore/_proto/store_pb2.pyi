@@ -50,7 +50,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("version", "node_id", "tenant", "admin", "host_id", "hostname", "data_port", "shm_name", "shm_size", "lease_ttl_ms", "limits", "tiers", "instance_id", "draining", "unix_socket", "shm_index", "pid", "scope_key", "put_sums_follow", "ucx", "ucx_address", "ucx_tag", "put_layers", "ucx_wire")
+    __slots__ = ("version", "node_id", "tenant", "admin", "host_id", "hostname", "data_port", "shm_name", "shm_size", "lease_ttl_ms", "limits", "tiers", "instance_id", "draining", "unix_socket", "shm_index", "pid", "scope_key", "put_sums_follow", "ucx", "ucx_address", "ucx_tag", "put_layers", "put_credits", "ucx_wire")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,7 @@ class InfoResponse(_message.Message):
     UCX_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     UCX_TAG_FIELD_NUMBER: _ClassVar[int]
     PUT_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    PUT_CREDITS_FIELD_NUMBER: _ClassVar[int]
     UCX_WIRE_FIELD_NUMBER: _ClassVar[int]
     version: str
     node_id: str
@@ -98,8 +99,9 @@ class InfoResponse(_message.Message):
     ucx_address: bytes
     ucx_tag: int
     put_layers: bool
+    put_credits: bool
     ucx_wire: int
-    def __init__(self, version: _Optional[str] = ..., node_id: _Optional[str] = ..., tenant: _Optional[str] = ..., admin: _Optional[bool] = ..., host_id: _Optional[str] = ..., hostname: _Optional[str] = ..., data_port: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_size: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., tiers: _Optional[_Iterable[str]] = ..., instance_id: _Optional[str] = ..., draining: _Optional[bool] = ..., unix_socket: _Optional[str] = ..., shm_index: _Optional[str] = ..., pid: _Optional[int] = ..., scope_key: _Optional[bytes] = ..., put_sums_follow: _Optional[bool] = ..., ucx: _Optional[bool] = ..., ucx_address: _Optional[bytes] = ..., ucx_tag: _Optional[int] = ..., put_layers: _Optional[bool] = ..., ucx_wire: _Optional[int] = ...) -> None: ...
+    def __init__(self, version: _Optional[str] = ..., node_id: _Optional[str] = ..., tenant: _Optional[str] = ..., admin: _Optional[bool] = ..., host_id: _Optional[str] = ..., hostname: _Optional[str] = ..., data_port: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_size: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., tiers: _Optional[_Iterable[str]] = ..., instance_id: _Optional[str] = ..., draining: _Optional[bool] = ..., unix_socket: _Optional[str] = ..., shm_index: _Optional[str] = ..., pid: _Optional[int] = ..., scope_key: _Optional[bytes] = ..., put_sums_follow: _Optional[bool] = ..., ucx: _Optional[bool] = ..., ucx_address: _Optional[bytes] = ..., ucx_tag: _Optional[int] = ..., put_layers: _Optional[bool] = ..., put_credits: _Optional[bool] = ..., ucx_wire: _Optional[int] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
@@ -230,16 +232,18 @@ class PutItem(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., meta: _Optional[_Union[ValueMeta, _Mapping]] = ..., checksum: _Optional[int] = ..., payload: _Optional[bytes] = ..., namespace_fp: _Optional[bytes] = ..., tenant: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class PutRequest(_message.Message):
-    __slots__ = ("scope", "items", "sums_follow", "layers")
+    __slots__ = ("scope", "items", "sums_follow", "layers", "credits")
     SCOPE_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     SUMS_FOLLOW_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
+    CREDITS_FIELD_NUMBER: _ClassVar[int]
     scope: Scope
     items: _containers.RepeatedCompositeFieldContainer[PutItem]
     sums_follow: bool
     layers: int
-    def __init__(self, scope: _Optional[_Union[Scope, _Mapping]] = ..., items: _Optional[_Iterable[_Union[PutItem, _Mapping]]] = ..., sums_follow: _Optional[bool] = ..., layers: _Optional[int] = ...) -> None: ...
+    credits: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, scope: _Optional[_Union[Scope, _Mapping]] = ..., items: _Optional[_Iterable[_Union[PutItem, _Mapping]]] = ..., sums_follow: _Optional[bool] = ..., layers: _Optional[int] = ..., credits: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PutResult(_message.Message):
     __slots__ = ("stored", "error", "lease_id", "offset")
@@ -254,28 +258,40 @@ class PutResult(_message.Message):
     def __init__(self, stored: _Optional[bool] = ..., error: _Optional[_Union[Status, _Mapping]] = ..., lease_id: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class PutResponse(_message.Message):
-    __slots__ = ("results", "shm_name", "lease_expires_ns")
+    __slots__ = ("results", "shm_name", "lease_expires_ns", "credits", "credits_expire_ns")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_NS_FIELD_NUMBER: _ClassVar[int]
+    CREDITS_FIELD_NUMBER: _ClassVar[int]
+    CREDITS_EXPIRE_NS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[PutResult]
     shm_name: str
     lease_expires_ns: int
-    def __init__(self, results: _Optional[_Iterable[_Union[PutResult, _Mapping]]] = ..., shm_name: _Optional[str] = ..., lease_expires_ns: _Optional[int] = ...) -> None: ...
+    credits: _containers.RepeatedCompositeFieldContainer[PutResult]
+    credits_expire_ns: int
+    def __init__(self, results: _Optional[_Iterable[_Union[PutResult, _Mapping]]] = ..., shm_name: _Optional[str] = ..., lease_expires_ns: _Optional[int] = ..., credits: _Optional[_Iterable[_Union[PutResult, _Mapping]]] = ..., credits_expire_ns: _Optional[int] = ...) -> None: ...
 
 class CommitItem(_message.Message):
-    __slots__ = ("lease_id", "checksum")
+    __slots__ = ("lease_id", "checksum", "key", "meta")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    META_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     checksum: int
-    def __init__(self, lease_id: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+    key: bytes
+    meta: ValueMeta
+    def __init__(self, lease_id: _Optional[int] = ..., checksum: _Optional[int] = ..., key: _Optional[bytes] = ..., meta: _Optional[_Union[ValueMeta, _Mapping]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("items",)
+    __slots__ = ("items", "scope", "credits")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    CREDITS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[CommitItem]
-    def __init__(self, items: _Optional[_Iterable[_Union[CommitItem, _Mapping]]] = ...) -> None: ...
+    scope: Scope
+    credits: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, items: _Optional[_Iterable[_Union[CommitItem, _Mapping]]] = ..., scope: _Optional[_Union[Scope, _Mapping]] = ..., credits: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
     __slots__ = ("lease_ids",)

@@ -32,7 +32,7 @@ from kvstore.observe.names import (
 
 __all__ = ["count", "render", "summarize"]
 
-_GAUGES = ("connections", "leases", "leases_expired", "draining")  # server, not counters
+_GAUGES = ("connections", "leases", "leases_expired", "credits_lent", "draining")  # not counters
 
 
 def summarize(address: str, stats: Mapping[str, Any], tenant: str | None = None) -> dict[str, Any]:
@@ -81,6 +81,7 @@ def summarize(address: str, stats: Mapping[str, Any], tenant: str | None = None)
         "bytes_out": {p: get(TRANSFER, "out", p) for p in paths},
         "connections": int(server.get("connections", 0)),
         "leases": int(server.get("leases", 0)),
+        "credits_lent": int(server.get("credits_lent", 0)),
     }
 
 

@@ -287,6 +287,7 @@ class BlockIndex:
         *,
         fp: bytes | None = None,
         reservation: bool = False,
+        spare_own: bool = False,
     ) -> Room:
         """Room for ``size`` bytes in tier ``level``: a place when the tier has it now,
         else a victim to demote (the last tier's kept copies, then its victims, are
@@ -296,9 +297,11 @@ class BlockIndex:
         pinned or moving and nothing is on its way out.
 
         ``fp`` names the namespace the room is for: its budget (budgets.py) is applied
-        first, and a victim it calls for is one of that budget's own blocks. With
-        ``reservation`` the place returned is counted as a write in flight until
-        :meth:`commit` or :meth:`discard` is given it back."""
+        first, and a victim it calls for is one of that budget's own blocks (with
+        ``spare_own``, QuotaExceeded instead: room for a write credit is not worth
+        one of the namespace's blocks). With ``reservation`` the place returned is
+        counted as a write in flight until :meth:`commit` or :meth:`discard` is given
+        it back."""
         tier = self._tiers[level]
         wait_until: float | None = None
         with self._lock:
@@ -307,6 +310,8 @@ class BlockIndex:
             while True:
                 if fp is not None:
                     budget = self._ledger.over(fp, level, size, reservation=reservation)
+                    if budget is not None and spare_own:
+                        raise QuotaExceeded("no room for a write credit within the quota")
                     if budget is not None:
                         room = self._own_victim_locked(budget, level, size)
                         if room is not None:

@@ -53,16 +53,20 @@ class TierMover:
         *,
         fp: bytes | None = None,
         reservation: bool = False,
+        spare_own: bool = False,
     ) -> int | None:
         """A place for ``size`` bytes in tier ``level``, demoting victims one tier down
         (outside the index's lock) until there is one. None when ``unless_stored`` is
         given and that key is stored. BlockTooLarge when it could never fit.
-        ``fp`` and ``reservation``: see BlockIndex.claim (a namespace's budget)."""
+        ``fp``, ``reservation`` and ``spare_own``: see BlockIndex.claim (a namespace's
+        budget)."""
         tier = self._tiers[level]
         if not tier.fits_ever(size):
             raise BlockTooLarge(f"block of {size} bytes exceeds the {tier.kind.value} tier")
         for _ in range(_ROUNDS):
-            room = self._index.claim(level, size, unless_stored, fp=fp, reservation=reservation)
+            room = self._index.claim(
+                level, size, unless_stored, fp=fp, reservation=reservation, spare_own=spare_own
+            )
             if room.victim is None:
                 return room.place
             self._demote(room.victim, level)

@@ -267,7 +267,8 @@ class StoreNode:
         same-host writer's next put fills it first and names it in the one request
         that commits it (kvstore/server/gateway.py, credits), which saves the put its
         reservation round trip. Counted against the namespace's budget like any
-        reservation; :meth:`bind` gives it its key, :meth:`abort` frees it."""
+        reservation, but never granted by evicting the namespace's own blocks
+        (QuotaExceeded then); :meth:`bind` gives it its key, :meth:`abort` frees it."""
         self._check_open()
         if nbytes > self.config.max_value_bytes:
             raise BlockTooLarge(
@@ -275,7 +276,7 @@ class StoreNode:
             )
         nsfp = _ZERO_NS if namespace is None else namespace.fingerprint()
         size = HEADER_SIZE + nbytes
-        place = self._mover.make_room(0, size, fp=nsfp, reservation=True)
+        place = self._mover.make_room(0, size, fp=nsfp, reservation=True, spare_own=True)
         assert place is not None  # only a key already stored gives no place
         top = self._tiers[0]
         fill = top.payload(place, nbytes)

@@ -50,7 +50,7 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from google.protobuf.message import DecodeError, Message
@@ -61,7 +61,7 @@ from kvstore.config import ServerConfig
 from kvstore.errors import ConfigError, InvalidValue, KVStoreError, TimeoutError_, Unavailable
 from kvstore.node.store import BlockRead
 from kvstore.server.auth import TokenTable
-from kvstore.server.gateway import Gateway, ReadItem, WriteItem
+from kvstore.server.gateway import CreditBind, Gateway, ReadItem, WriteItem
 from kvstore.server.leases import LeaseKind
 from kvstore.tenants import Principal
 from kvstore.wire.codec import info_from_meta, status_of
@@ -107,6 +107,10 @@ many times over, and an unauthenticated peer can make the server allocate no mor
 _SUM = struct.Struct("<Q")  # a payload's xxh3 after it (PutRequest.sums_follow)
 _KEEP = struct.Struct("<QB")  # a layer-by-layer PUT's trailer: xxh3 and keep, per item
 _CLIENT_COPY_RATE = 8e9  # bytes/s a same-host client copies into the segment, at least
+# Write credits one connection may hold at a time (PutRequest.credits): at most this
+# many bytes, and at most this share of the DRAM tier.
+_CREDIT_BYTES = 64 << 20
+_CREDIT_SHARE = 8
 
 
 def _never() -> bool:
@@ -297,6 +301,8 @@ class _Session:
         self.p: Principal | None = None
         self.in_process = False  # the client runs in this process (counted on the server)
         self.copying_s = 0.0  # how long the client needs before its next request (RESERVE)
+        self._credits: dict[int, int] = {}  # this connection's write credits: lease id -> bytes
+        self._credit_cap = -1  # how many bytes of them it may hold (set at the first ask)
         self.path = "tcp"  # where this connection's payloads travel: tcp, or ucx once moved
         self.handlers: dict[int, Callable[[bytes, int], Message | None]] = {
             Op.GET: self.get,
@@ -706,15 +712,55 @@ class _Session:
             elif lease is not None:
                 out.lease_id, out.offset = lease.id, lease.obj.shm_offset
                 resp.lease_expires_ns = resp.lease_expires_ns or lease.expires_ns
+        self._lend_credits(scope, req.credits, resp)
         return resp
 
     def commit(self, meta: bytes, body_len: int) -> pb.PutResponse:
         req = _parse(pb.CommitRequest, meta)
-        pairs = [(it.lease_id, it.checksum) for it in req.items]
+        items: list[tuple[int, int] | CreditBind] = []
+        for it in req.items:
+            if it.key:
+                self._credits.pop(it.lease_id, None)
+                info: ValueInfo | KVStoreError
+                try:
+                    info = info_from_meta(it.meta)
+                except KVStoreError as exc:
+                    info = exc
+                items.append((it.lease_id, it.checksum, it.key, info))
+            else:
+                items.append((it.lease_id, it.checksum))
+        scope = req.scope
         resp = pb.PutResponse()
-        for r in self.gw.commit_leased(self.principal, pairs):
+        for r in self.gw.commit_leased(self.principal, items, scope.model, scope.layout):
             _put_result(r, resp.results.add())
+        self._lend_credits(scope, req.credits, resp)
         return resp
+
+    def _lend_credits(self, scope: pb.Scope, sizes: Sequence[int], resp: pb.PutResponse) -> None:
+        """Grant the write credits asked for (PutRequest.credits) into ``resp``, as many
+        as this connection may hold: at most _CREDIT_BYTES of them, live, at a time."""
+        if not sizes:
+            return
+        if self._credit_cap < 0:
+            dram = self.gw.node.stats()["tiers"].get("dram", {}).get("capacity", 0)
+            self._credit_cap = min(_CREDIT_BYTES, int(dram) // _CREDIT_SHARE)
+        leases = self.gw.leases
+        self._credits = {lid: n for lid, n in self._credits.items() if leases.holds(lid)}
+        room = self._credit_cap - sum(self._credits.values())
+        take: list[int] = []
+        for n in sizes:
+            if n > room:
+                break
+            take.append(n)
+            room -= n
+        granted = self.gw.grant_credits(self.principal, scope.model, scope.layout, take, self.id)
+        # the client copies into them before its next request: poll that much longer
+        lent = sum(lease.obj.info.nbytes for lease in granted)
+        self.copying_s = max(self.copying_s, lent / _CLIENT_COPY_RATE)
+        for lease in granted:
+            self._credits[lease.id] = lease.obj.info.nbytes
+            resp.credits.add(lease_id=lease.id, offset=lease.obj.shm_offset)
+            resp.credits_expire_ns = resp.credits_expire_ns or lease.expires_ns
 
     def abort(self, meta: bytes, body_len: int) -> pb.LeaseResponse:
         req = _parse(pb.LeaseRequest, meta)

@@ -63,6 +63,10 @@ from kvstore.tiering import TierKind
 
 __all__ = ["Gateway", "ReadBatch", "ReadItem", "WriteItem"]
 
+# A COMMIT item that binds a credit: (credit lease id, checksum, key, the block's info or
+# why it has none)
+CreditBind = tuple[int, int, bytes, "ValueInfo | KVStoreError"]
+
 log = logging.getLogger(__name__)
 
 _MAX_LAYERS = 4096  # a layer-by-layer write names its layer count; more is not a model
@@ -536,26 +540,84 @@ class Gateway:
         return out
 
     def commit_leased(
-        self, p: Principal, items: Sequence[tuple[int, int]]
+        self,
+        p: Principal,
+        items: Sequence[tuple[int, int] | CreditBind],
+        model: str = "",
+        layout: str = "",
     ) -> list[bool | KVStoreError]:
         """Phase two for (lease id, checksum) pairs: True stored, False stored already,
-        or the item's error (an expired or unknown lease is a ReservationError)."""
+        or the item's error (an expired or unknown lease is a ReservationError). An item
+        of four, (credit lease id, checksum, key, info), first names the block its
+        credit holds (:meth:`grant_credits`), in the namespace of ``model`` and
+        ``layout``; a block that does not fit its credit fails and frees it."""
         self.check_batch(len(items))
+        binds = any(len(it) == 4 for it in items)
+        ns = self.namespace(p, model, layout) if binds else None
         out: list[bool | KVStoreError] = []
-        for lease_id, checksum in items:
-            lease = self.leases.take(lease_id, p.tenant, LeaseKind.WRITE)
+        for item in items:
+            lease_id, checksum = item[0], item[1]
+            kind = LeaseKind.CREDIT if len(item) == 4 else LeaseKind.WRITE
+            lease = self.leases.take(lease_id, p.tenant, kind)
             if lease is None:
                 out.append(ReservationError("reservation lease expired or unknown; write it again"))
                 continue
+            res = lease.obj
             try:
-                out.append(self._commit(p, lease.obj, checksum, "shm"))
+                if len(item) == 4:
+                    key, info = item[2], item[3]
+                    try:
+                        if isinstance(info, KVStoreError):
+                            raise info
+                        res = self.node.bind(res, p.scope(key), info, namespace=ns)
+                    except KVStoreError:
+                        self.node.abort(res)
+                        raise
+                out.append(self._commit(p, res, checksum, "shm"))
             except KVStoreError as exc:
                 out.append(exc)
         return out
 
+    def grant_credits(
+        self,
+        p: Principal,
+        model: str,
+        layout: str,
+        sizes: Sequence[int],
+        owner: int,
+    ) -> list[Lease]:
+        """Write credits for a same-host writer's next puts: for each size, an extent
+        of the shared segment reserved for a block of that many bytes in this scope,
+        whose key the COMMIT that stores it names (:meth:`commit_leased`). Each is a
+        write lease of ``lease_ttl_s``: unused, it expires and frees its space. Granting
+        stops at the first size that cannot be had (no room, the tenant's quota): a
+        credit is an optimisation, the writer reserves as before without one."""
+        if not sizes:
+            return []
+        self.check_batch(len(sizes))
+        ns = self.namespace(p, model, layout)
+        out: list[Lease] = []
+        for n in sizes:
+            try:
+                self._check_writer(p, ns)
+                res = self.node.reserve_credit(n, namespace=ns)
+            except KVStoreError as exc:
+                self._refused(p, exc)
+                break
+            if res.shm_offset < 0:  # no shared segment: nothing to lend
+                self.node.abort(res)
+                break
+            ttl = self.config.lease_ttl_s
+            out.append(self.leases.grant(LeaseKind.CREDIT, res, p.tenant, owner, ttl_s=ttl))
+        return out
+
     def abort_leased(self, p: Principal, lease_ids: Sequence[int]) -> tuple[int, int]:
         """Abort same-host writes; returns (aborted, expired or unknown)."""
-        return self._end_leases(p, lease_ids, LeaseKind.WRITE, self.node.abort)
+        done, left = self._end_leases(p, lease_ids, LeaseKind.WRITE, self.node.abort)
+        if left:  # credits are aborted the same way
+            more, _ = self._end_leases(p, lease_ids, LeaseKind.CREDIT, self.node.abort)
+            done, left = done + more, left - more
+        return done, left
 
     def _end_leases(
         self, p: Principal, lease_ids: Sequence[int], kind: LeaseKind, end: Callable[[Any], Any]
@@ -572,14 +634,18 @@ class Gateway:
     def _reserve(
         self, p: Principal, key: bytes, info: ValueInfo, ns: Namespace | None
     ) -> Reservation | None:
+        self._check_writer(p, ns)
+        # it checks size, layout and the tenant's quota (kvstore/node/budgets.py)
+        return self.node.reserve(p.scope(key), info, namespace=ns)
+
+    def _check_writer(self, p: Principal, ns: Namespace | None) -> None:
+        """Refuse a write this node does not take now, or one a quota could not count."""
         self._writable()
         if ns is None and p.tenant in self._budgets:
             raise InvalidValue(
                 f"tenant {p.tenant!r} has a quota: its writes must name a model and layout "
                 "(a scope), or they could not be counted"
             )
-        # it checks size, layout and the tenant's quota (kvstore/node/budgets.py)
-        return self.node.reserve(p.scope(key), info, namespace=ns)
 
     def _refused(self, p: Principal, exc: KVStoreError) -> KVStoreError:
         if isinstance(exc, QuotaExceeded):
@@ -600,7 +666,7 @@ class Gateway:
     def _end_lease(self, lease: Lease) -> None:
         if lease.kind is LeaseKind.READ:
             self.node.close_read(lease.obj)
-        elif lease.kind is LeaseKind.WRITE:
+        elif lease.kind is LeaseKind.WRITE or lease.kind is LeaseKind.CREDIT:
             self.node.abort(lease.obj)
         else:  # FILL: cut the stalled connection; its thread aborts the reservation
             self.counters.inc("puts_stalled")
@@ -618,7 +684,9 @@ class Gateway:
             server = {k: v for k, v in server.items() if split_key(k)[1] in (None, p.tenant)}
         server.update({name: fn() for name, fn in self.gauges.items()})
         server.update(self._quota_usage(p))
-        server["leases"] = len(self.leases)
+        credits = self.leases.count(LeaseKind.CREDIT)
+        server["leases"] = len(self.leases) - credits
+        server["credits_lent"] = credits
         server["leases_expired"] = self.leases.expired
         server["draining"] = int(self.draining)
         return self.node.stats(), server

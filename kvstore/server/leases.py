@@ -42,11 +42,13 @@ log = logging.getLogger(__name__)
 
 class LeaseKind(StrEnum):
     """A pinned read (node.open_read), a reserved write (node.reserve) filled through
-    shared memory, or a reservation being filled from a data socket (FILL: ``obj`` is
-    what cuts that connection)."""
+    shared memory, a write credit (node.reserve_credit: a reservation whose key the
+    COMMIT that fills it names), or a reservation being filled from a data socket
+    (FILL: ``obj`` is what cuts that connection)."""
 
     READ = "read"
     WRITE = "write"
+    CREDIT = "credit"
     FILL = "fill"
 
 
@@ -107,6 +109,16 @@ class LeaseTable:
                 return None
             del self._leases[lease_id]
         return lease
+
+    def count(self, kind: LeaseKind) -> int:
+        """How many live leases are of ``kind``."""
+        with self._lock:
+            return sum(1 for lease in self._leases.values() if lease.kind is kind)
+
+    def holds(self, lease_id: int) -> bool:
+        """Whether the lease is live (granted, not yet taken, ended or reaped)."""
+        with self._lock:
+            return lease_id in self._leases
 
     def end_owner(self, owner: int) -> int:
         """End every lease of a closed data connection; returns how many."""

@@ -199,6 +199,7 @@ class StoreServer:
             pid=os.getpid(),
             put_sums_follow=True,
             put_layers=True,
+            put_credits=bool(node.shm_name),
             ucx=self._data is not None and self._data.ucx,
         )
 

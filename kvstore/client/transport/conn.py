@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 from google.protobuf.message import DecodeError, Message
 
 from kvstore._proto import store_pb2 as pb
+from kvstore.client.transport.credits import CreditPool
 from kvstore.errors import KVStoreError, TransportError, error_for_code
 from kvstore.wire.crowding import CROWDING
 from kvstore.wire.frames import (
@@ -63,6 +64,7 @@ class DataConn:
         self.reply_poll_s = 0.0  # poll this long for a reply before sleeping (see call)
         self.reply_slot: threading.Lock | None = None  # held by the one thread polling
         self.crowded: Callable[[], bool] = CROWDING.crowded
+        self.credits = CreditPool()  # same-host write credits (credits.py)
 
     @property
     def server_in_process(self) -> bool:

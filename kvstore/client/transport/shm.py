@@ -65,7 +65,14 @@ from kvstore.client.transport.buffers import (
 from kvstore.client.transport.conn import DataConn
 from kvstore.client.transport.shm_direct import FALLBACK, DirectReader
 from kvstore.client.transport.tcp import SocketTransport, miss, put_results, ranged, receive_inline
-from kvstore.errors import CapacityError, KVStoreError, StorageError, TimeoutError_, TransportError
+from kvstore.errors import (
+    CapacityError,
+    KVStoreError,
+    ReservationError,
+    StorageError,
+    TimeoutError_,
+    TransportError,
+)
 from kvstore.observe.counters import NodeCounters
 from kvstore.shm.prefault import Prefaulter
 from kvstore.shm.segment import map_segment
@@ -316,46 +323,85 @@ class ShmTransport(SocketTransport):
         deadline: float,
         results: list[Any],
     ) -> tuple[int, list[Outgoing]]:
-        """RESERVE, then copy and COMMIT ``items`` one by one; returns (items granted,
-        items refused for lack of room). Every item's outcome is in ``results``.
+        """Copy and COMMIT ``items`` one by one, each into a credit this connection holds
+        (credits.py) or, for those without one, into an extent one RESERVE asks for
+        first; returns (items written, items to write again: refused for lack of room,
+        or whose credit ran out before its COMMIT). Every other item's outcome is in
+        ``results``.
 
         Each COMMIT goes out as soon as its item is copied and its reply is read at the
         end: the server checks and seals item i on its CPU while this one copies item
-        i + 1, and the round costs the RESERVE round trip plus the copies."""
-        req = pb.PutRequest(scope=scope)
+        i + 1. A round whose items all have credits costs the copies and one round
+        trip; the last COMMIT (or the RESERVE) asks for as many credits as the round has
+        items, so the next round of the same sizes has them."""
+        lend = conn.info.put_credits
+        skey = scope.SerializeToString()
+        work: list[tuple[Outgoing, int, int, bool]] = []  # (item, lease, offset, credited)
+        rest: list[Outgoing] = []
         for it in items:
-            req.items.add(key=it.key, meta=meta_of(it.info))
-        resp, _ = conn.call(Op.RESERVE, req, pb.PutResponse, deadline)
-        put_results(resp, items, results)  # errors and already-present keys
-        granted = [(it, r) for it, r in zip(items, resp.results, strict=True) if r.lease_id]
-        refused = [it for it in items if isinstance(results[it.index], CapacityError)]
-        if not granted:
+            credit = conn.credits.take(skey, it.info.nbytes) if lend else None
+            if credit is None:
+                rest.append(it)
+            else:
+                work.append((it, credit.lease_id, credit.offset, True))
+        want = [it.info.nbytes for it in items] if lend else []
+        refused: list[Outgoing] = []
+        if rest:
+            req = pb.PutRequest(scope=scope, credits=want)
+            for it in rest:
+                req.items.add(key=it.key, meta=meta_of(it.info))
+            resp, _ = conn.call(Op.RESERVE, req, pb.PutResponse, deadline)
+            put_results(resp, rest, results)  # errors and already-present keys
+            conn.credits.keep(skey, want, resp)
+            want = []
+            for it, r in zip(rest, resp.results, strict=True):
+                if r.lease_id:
+                    work.append((it, r.lease_id, r.offset, False))
+            refused = [it for it in rest if isinstance(results[it.index], CapacityError)]
+        if not work:
             return 0, refused
         sent = 0
         try:
-            for it, r in granted:
-                dst = self.segment.extent(r.offset, it.info.nbytes)
+            for j, (it, lease_id, offset, credited) in enumerate(work):
+                dst = self.segment.extent(offset, it.info.nbytes)
                 it.sum = copy_hashed(dst, it.data)
                 commit = pb.CommitRequest()
-                commit.items.add(lease_id=r.lease_id, checksum=it.sum)
+                item = commit.items.add(lease_id=lease_id, checksum=it.sum)
+                if credited:
+                    item.key = it.key
+                    item.meta.CopyFrom(meta_of(it.info))
+                if credited or (want and j == len(work) - 1):
+                    commit.scope.CopyFrom(scope)
+                if want and j == len(work) - 1:
+                    commit.credits.extend(want)
                 conn.send_only(Op.COMMIT, commit, deadline)
                 sent += 1
         finally:
-            self._commit_replies(conn, granted, sent, deadline, results)
-        return len(granted), refused
+            self._commit_replies(conn, work, sent, deadline, results, skey, want)
+        lapsed = [
+            it
+            for it, _, _, credited in work[:sent]
+            if credited and isinstance(results[it.index], ReservationError)
+        ]
+        for it in lapsed:  # its credit expired before the COMMIT: write it again
+            results[it.index] = None
+        return len(work), refused + lapsed
 
     def _commit_replies(
         self,
         conn: DataConn,
-        granted: list[tuple[Outgoing, Any]],
+        work: list[tuple[Outgoing, int, int, bool]],
         sent: int,
         deadline: float,
         results: list[Any],
+        scope: bytes,
+        want: list[int],
     ) -> None:
-        """Read the replies to the ``sent`` COMMITs in flight and abort the leases of
-        the items never committed (a copy failed): nothing half-copied becomes
-        visible, and the stream stays in step for the connection's next request."""
-        for it, _ in granted[:sent]:
+        """Read the replies to the ``sent`` COMMITs in flight (the last one with the
+        credits asked for) and abort the leases of the items never committed (a copy
+        failed): nothing half-copied becomes visible, and the stream stays in step for
+        the connection's next request."""
+        for j, (it, *_) in enumerate(work[:sent]):
             try:
                 resp = conn.read_reply(Op.COMMIT, pb.PutResponse, deadline)
             except KVStoreError as exc:
@@ -364,7 +410,9 @@ class ShmTransport(SocketTransport):
                 results[it.index] = exc  # this request failed whole; the others answer
                 continue
             put_results(resp, [it], results)
-        rest = [r.lease_id for _, r in granted[sent:]]
+            if want and j == len(work) - 1:
+                conn.credits.keep(scope, want, resp)
+        rest = [lease_id for _, lease_id, _, _ in work[sent:]]
         if rest and conn.usable:
             conn.call(Op.ABORT, pb.LeaseRequest(lease_ids=rest), pb.LeaseResponse, deadline)
 
