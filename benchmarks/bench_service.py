@@ -12,7 +12,9 @@ distinct blocks, single calls and batches:
   Redis GET through redis-py + hiredis (target >= 1.5x);
 - puts of fresh keys into a second server (2 GiB of DRAM, evicting as it fills): shm
   put vs a two-process shared-memory copy into the other process (target >= 0.5), TCP
-  put vs a raw socket stream sent the same way (target >= 0.8) and vs Redis SET;
+  put vs a raw socket stream sent the same way (target >= 0.8) and vs Redis SET; and
+  shm puts with write credits (the default: one round trip a put) against the same
+  puts reserving first (``shm_write_credits=False``, two round trips);
 - Mooncake Store 0.3.13 (benchmarks/mooncake_anchor.py: its master and a storage
   process on loopback), 1 MiB: get, get_into, put and put_from, remote and local
   (targets: TCP get >= 2.5x its remote get, shm get_into >= 3x its local get_into,
@@ -299,6 +301,10 @@ class Workload:
         # puts go to a server of their own: fresh keys fill its DRAM and it evicts, as a
         # full node does in service, without evicting the blocks the gets read
         self.shm_w = StoreClient.connect(put_address, token=TOKEN, transport="shm")
+        # the same puts without write credits: each reserves first (two round trips)
+        self.shm_r = StoreClient.connect(
+            put_address, token=TOKEN, transport="shm", shm_write_credits=False
+        )
         self.tcp_w = StoreClient.connect(put_address, token=TOKEN, transport="tcp")
         self.blocks = blocks
         self.written = 0
@@ -352,6 +358,12 @@ class Workload:
     def shm_batch_put(self, i: int) -> None:
         assert self.shm_w.batch_put(self._fresh(BATCH), self.blocks[:BATCH]) == [True] * BATCH
 
+    def shm_put_reserving(self, i: int) -> None:
+        assert self.shm_r.put(self._fresh(1)[0], self.blocks[i % BLOCKS]) is True
+
+    def shm_batch_put_reserving(self, i: int) -> None:
+        assert self.shm_r.batch_put(self._fresh(BATCH), self.blocks[:BATCH]) == [True] * BATCH
+
     def tcp_put(self, i: int) -> None:
         assert self.tcp_w.put(self._fresh(1)[0], self.blocks[i % BLOCKS]) is True
 
@@ -377,7 +389,7 @@ class Workload:
         assert all(v is not None for v in pipe.execute())
 
     def close(self) -> None:
-        for c in (self.shm, self.tcp, self.leased, self.shm_w, self.tcp_w):
+        for c in (self.shm, self.tcp, self.leased, self.shm_w, self.shm_r, self.tcp_w):
             c.close()
 
 
@@ -407,6 +419,8 @@ def measure_size(
         "anchor_shm_write": (anchors.shm_write, 1),
         "shm_put": (w.shm_put, 1),
         "shm_batch_put": (w.shm_batch_put, BATCH),
+        "shm_put_reserving": (w.shm_put_reserving, 1),
+        "shm_batch_put_reserving": (w.shm_batch_put_reserving, BATCH),
         "anchor_socket_send": (anchors.socket_send, 1),
         "tcp_put": (w.tcp_put, 1),
         "tcp_batch_put": (w.tcp_batch_put, BATCH),
@@ -514,6 +528,15 @@ ROWS = [  # (label, ours, anchor, anchor label, target ratio; 0: shown, no targe
         "anchor_shm_write",
         "2-process shm copy (write)",
         0.5,
+    ),
+    # write credits (one round trip a put) against reserving first (two)
+    ("shm put", "shm_put", "shm_put_reserving", "shm put, reserving first", 0),
+    (
+        f"shm batch_put x{BATCH}",
+        "shm_batch_put",
+        "shm_batch_put_reserving",
+        f"shm batch_put x{BATCH}, reserving first",
+        0,
     ),
     ("tcp put", "tcp_put", "anchor_socket_send", SOCKET_SEND, 0.8),
     (

@@ -437,6 +437,9 @@ class ClientConfig(EtcdAccess):
         shm_direct: same-host reads of DRAM blocks find them in the server's published
             index and copy without a lease round trip (kvstore/shm/index.py);
             off: every shm read takes a lease first.
+        shm_write_credits: same-host puts keep write credits, space the server lends
+            ahead (kvstore/client/transport/credits.py), and commit into them in one
+            round trip; off: every put reserves first (two round trips).
         shm_prefault_bytes: how much of a node's mapped segment a background thread
             prefaults at connect (kvstore/shm/prefault.py): without it the first write
             to each page costs a fault, and 1 MiB copies into fresh extents run at
@@ -471,6 +474,7 @@ class ClientConfig(EtcdAccess):
     pool_size: int = 8
     verify_shm: bool = False
     shm_direct: bool = True
+    shm_write_credits: bool = True
     shm_prefault_bytes: int = 32 * 1024**3
     max_reply_bytes: int = 64 * 1024**2
     reply_poll_us: int = 200

@@ -300,7 +300,11 @@ class ConnPool(Links):
                 self._shm_of.pop(k).close()
         seg = Segment(info.shm_name, info.shm_size, prefault=self.config.shm_prefault_bytes)
         shm = ShmTransport(
-            self.counters, seg, verify=self.config.verify_shm, direct=self._direct(info, seg)
+            self.counters,
+            seg,
+            verify=self.config.verify_shm,
+            direct=self._direct(info, seg),
+            credits=self.config.shm_write_credits,
         )
         with self._lock:
             kept = self._shm_of.setdefault(key, shm)

@@ -130,11 +130,13 @@ class ShmTransport(SocketTransport):
         *,
         verify: bool = False,
         direct: DirectReader | None = None,
+        credits: bool = True,
     ) -> None:
         super().__init__(counters)
         self.segment = segment
         self.verify = verify
         self.direct = direct
+        self.credits = credits  # use write credits where the server lends them
 
     def close(self) -> None:
         """Drop the index and segment mappings (they linger while views are alive)."""
@@ -334,7 +336,7 @@ class ShmTransport(SocketTransport):
         i + 1. A round whose items all have credits costs the copies and one round
         trip; the last COMMIT (or the RESERVE) asks for as many credits as the round has
         items, so the next round of the same sizes has them."""
-        lend = conn.info.put_credits
+        lend = self.credits and conn.info.put_credits
         skey = scope.SerializeToString()
         work: list[tuple[Outgoing, int, int, bool]] = []  # (item, lease, offset, credited)
         rest: list[Outgoing] = []
