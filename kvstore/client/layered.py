@@ -33,7 +33,7 @@ The contract (README, "Layer-by-layer writes"):
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -43,7 +43,7 @@ from kvstore.client.transport.base import LayerSink, Link, Links
 from kvstore.errors import InvalidValue, KVStoreError, ReservationError
 from kvstore.layout import DTYPE_SIZES
 
-__all__ = ["LayeredPut", "block_info"]
+__all__ = ["AsyncLayeredPut", "LayeredPut", "block_info"]
 
 
 def block_info(shape: Sequence[int], dtype: Any) -> ValueInfo:
@@ -214,3 +214,48 @@ class LayeredPut:
 
     def _deadline(self) -> float:
         return time.monotonic() + self._timeout
+
+
+class AsyncLayeredPut:
+    """asyncio facade of a :class:`LayeredPut` (``AsyncStoreClient.begin_layers``): each
+    step runs on the client's thread pool. Await each step before the next: the write
+    holds one connection, used by one thread at a time. Leaving ``async with`` without
+    a commit aborts, as the sync form does."""
+
+    def __init__(self, put: LayeredPut, run: Callable[..., Awaitable[Any]]) -> None:
+        self.sync = put
+        self._run = run
+
+    async def __aenter__(self) -> AsyncLayeredPut:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if not self.sync._done:
+            await self.abort()
+
+    @property
+    def keys(self) -> list[bytes]:
+        """The blocks being written, in order."""
+        return self.sync.keys
+
+    @property
+    def written(self) -> int:
+        """Layers written so far."""
+        return self.sync.written
+
+    async def write(self, layer: int, values: Sequence[Any]) -> None:
+        """See :meth:`LayeredPut.write`."""
+        await self._run(self.sync.write, layer, values)
+
+    async def write_stacked(self, layer: int, stacked: Any) -> None:
+        """See :meth:`LayeredPut.write_stacked`."""
+        await self._run(self.sync.write_stacked, layer, stacked)
+
+    async def commit(self, keep: Sequence[bool] | None = None) -> list[bool | KVStoreError | None]:
+        """See :meth:`LayeredPut.commit`."""
+        results: list[bool | KVStoreError | None] = await self._run(self.sync.commit, keep)
+        return results
+
+    async def abort(self) -> None:
+        """See :meth:`LayeredPut.abort`."""
+        await self._run(self.sync.abort)

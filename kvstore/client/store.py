@@ -44,7 +44,7 @@ from kvstore.blocks import layer_range
 from kvstore.client.connector import Connector, SocketConnector
 from kvstore.client.control import Control
 from kvstore.client.faults import FaultyConnector
-from kvstore.client.layered import LayeredPut, block_info
+from kvstore.client.layered import AsyncLayeredPut, LayeredPut, block_info
 from kvstore.client.transport.base import LayerSink, Link, Links, Transport
 from kvstore.config import ClientConfig
 from kvstore.errors import (
@@ -531,6 +531,21 @@ class AsyncNodeClient:
             self.sync._check_open()
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kw))
+
+    async def begin_layers(
+        self,
+        keys: Sequence[bytes],
+        *,
+        shape: Sequence[int],
+        dtype: Any,
+        namespace: Namespace | None = None,
+        timeout: float | None = None,
+    ) -> AsyncLayeredPut:
+        """See :meth:`StoreClient.begin_layers`; its steps are coroutines
+        (kvstore/client/layered.py, AsyncLayeredPut)."""
+        kw = _kw(namespace, timeout)
+        put = await self._run(self.sync.begin_layers, keys, shape=shape, dtype=dtype, **kw)
+        return AsyncLayeredPut(put, functools.partial(self._run, check=False))
 
     async def put(
         self,

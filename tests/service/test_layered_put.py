@@ -251,3 +251,36 @@ def test_a_writer_that_stalls_between_layers_is_cut(
             assert not any(r is True for r in w.commit())
         assert watcher.exists(keys) == [False, False]
         assert c.put(keys[0], data[0]) is True  # the client goes on
+
+
+def test_the_async_client_writes_layer_by_layer(
+    store_server: ServerProcess, reader: StoreClient
+) -> None:
+    """AsyncStoreClient.begin_layers: the same write with coroutine steps; leaving
+    ``async with`` without a commit stores nothing."""
+    import asyncio
+
+    from kvstore import AsyncStoreClient
+
+    t = blocks(2, seed=41)
+    *keys, dropped_key = fresh_keys(3)
+    dropped = [dropped_key]
+
+    async def write() -> list[object]:
+        ac = await AsyncStoreClient.connect(store_server.address, token=ALPHA.token, namespace=NS)
+        try:
+            async with await ac.begin_layers(keys, shape=SHAPE, dtype=torch.bfloat16) as w:
+                for layer in range(SHAPE[0]):
+                    await w.write(layer, [b[layer : layer + 1] for b in t])
+                results = await w.commit()
+            async with await ac.begin_layers(dropped, shape=SHAPE, dtype=torch.bfloat16) as w:
+                await w.write(0, [t[0][0:1]])
+            return results
+        finally:
+            await ac.close()
+
+    assert asyncio.run(write()) == [True, True]
+    for k, b in zip(keys, t, strict=True):
+        got = reader.get(k)
+        assert got is not None and torch.equal(got, b)
+    assert reader.exists(dropped) == [False]
