@@ -404,11 +404,7 @@ class Gateway:
             except BaseException:
                 self.node.abort(res)  # a cut-short payload never becomes visible
                 raise
-            try:
-                csum = it.checksum if sent_sum is None else sent_sum
-                out.append(self._commit(p, res, csum, path))
-            except KVStoreError as exc:
-                out.append(exc)
+            out.append(self._commit_item(p, res, it, sent_sum, path))
         return out
 
     def write_at_once(
@@ -443,12 +439,18 @@ class Gateway:
             if res is None:
                 out.append(False if got is None else got)
                 continue
-            csum = it.checksum if sent_sum is None else sent_sum
-            try:
-                out.append(self._commit(p, res, csum, path))
-            except KVStoreError as exc:
-                out.append(exc)
+            out.append(self._commit_item(p, res, it, sent_sum, path))
         return out
+
+    def _commit_item(
+        self, p: Principal, res: Reservation, it: WriteItem, sent_sum: int | None, path: str
+    ) -> bool | KVStoreError:
+        """Commit one filled item against the writer's xxh3 (the item's, or the one sent
+        after its payload): True, False (stored already) or its error."""
+        try:
+            return self._commit(p, res, it.checksum if sent_sum is None else sent_sum, path)
+        except KVStoreError as exc:
+            return exc
 
     def _reserve_all(
         self,

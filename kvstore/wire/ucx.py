@@ -65,7 +65,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from kvstore.errors import KVStoreError, TimeoutError_, TransportError
 from kvstore.wire.frames import HEADER, MAGIC, ProtocolError
@@ -322,17 +322,21 @@ class UcxFrames:
             for r in reqs:
                 r.check_error()
         except BaseException as exc:
-            # Nothing may go on writing into (or reading from) the caller's buffer once
-            # this call has failed: cancel what is in flight before saying so.
-            self.broken = True
-            with contextlib.suppress(Exception):
-                self._w.cancel_inflight_requests()
-                self._w.progress()
-            if isinstance(exc, KVStoreError):
-                raise
-            if isinstance(exc, Exception):
-                raise _ucx_error(exc, what) from exc
-            raise
+            self._abandon(exc, what)
+
+    def _abandon(self, exc: BaseException, what: str) -> NoReturn:
+        """End a failed call: nothing may go on writing into (or reading from) the
+        caller's buffers once it has failed, so what is in flight is cancelled before
+        the error (a KVStoreError) is raised; the connection is done."""
+        self.broken = True
+        with contextlib.suppress(Exception):
+            self._w.cancel_inflight_requests()
+            self._w.progress()
+        if isinstance(exc, KVStoreError):
+            raise exc
+        if isinstance(exc, Exception):
+            raise _ucx_error(exc, what) from exc
+        raise exc
 
     # -- sending -------------------------------------------------------------------------
 
@@ -685,15 +689,7 @@ class UcxFrames:
             try:
                 self._progress_until(step, self._until())
             except BaseException as exc:
-                self.broken = True
-                with contextlib.suppress(Exception):
-                    self._w.cancel_inflight_requests()
-                    self._w.progress()
-                if isinstance(exc, KVStoreError):
-                    raise
-                if isinstance(exc, Exception):
-                    raise _ucx_error(exc, "receive") from exc
-                raise
+                self._abandon(exc, "receive")
         if fed < count:  # pipelining ended: the rest one view at a time
             self.recv_into(flat[i][off:])
             self._feed(flat, digests, i)
