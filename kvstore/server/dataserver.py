@@ -738,7 +738,10 @@ class _Session:
 
     def _lend_credits(self, scope: pb.Scope, sizes: Sequence[int], resp: pb.PutResponse) -> None:
         """Grant the write credits asked for (PutRequest.credits) into ``resp``, as many
-        as this connection may hold: at most _CREDIT_BYTES of them, live, at a time."""
+        as this connection may hold: at most _CREDIT_BYTES of them, live, at a time, and
+        at most max_batch per request. Never an error: the request's own results stand,
+        and a writer without credits reserves as before."""
+        sizes = sizes[: self.server.config.max_batch]
         if not sizes:
             return
         if self._credit_cap < 0:
@@ -753,7 +756,13 @@ class _Session:
                 break
             take.append(n)
             room -= n
-        granted = self.gw.grant_credits(self.principal, scope.model, scope.layout, take, self.id)
+        try:
+            granted = self.gw.grant_credits(
+                self.principal, scope.model, scope.layout, take, self.id
+            )
+        except KVStoreError as exc:  # a scope this tenant cannot write, a closed node
+            log.debug("data connection %d: no write credits: %s", self.id, exc)
+            return
         # the client copies into them before its next request: poll that much longer
         lent = sum(lease.obj.info.nbytes for lease in granted)
         self.copying_s = max(self.copying_s, lent / _CLIENT_COPY_RATE)

@@ -596,7 +596,6 @@ class Gateway:
         credit is an optimisation, the writer reserves as before without one."""
         if not sizes:
             return []
-        self.check_batch(len(sizes))
         ns = self.namespace(p, model, layout)
         out: list[Lease] = []
         for n in sizes:

@@ -159,3 +159,18 @@ def test_a_commit_that_does_not_fit_its_credit_frees_it(
             assert c.stats()["tiers"]["dram"]["used"] == used
     finally:
         conn.close()
+
+
+def test_asking_for_too_many_credits_is_never_an_error(store_server: ServerProcess) -> None:
+    """More credits than a batch may hold, and more bytes than a connection may
+    borrow: the request's own results stand, with as many credits as allowed."""
+    conn = _raw(store_server, ALPHA)
+    try:
+        value = _value(9)
+        req = pb.PutRequest(credits=[64 * KIB] * 5000)
+        req.items.add(key=_keys(1, b"many")[0], meta=meta_of(describe(value)))
+        resp, _ = conn.call(Op.RESERVE, req, pb.PutResponse, time.monotonic() + 10)
+        assert resp.results[0].lease_id  # the item's own reservation
+        assert 0 < len(resp.credits) < 5000
+    finally:
+        conn.close()
