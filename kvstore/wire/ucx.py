@@ -458,7 +458,8 @@ class UcxFrames:
 
     def _next_control(self, until: float, idle: bool) -> None:
         """Wait for the next control message and make its content the buffered bytes
-        (any bytes still buffered are a protocol error: the peer is out of step)."""
+        (called once the previous message's bytes are all consumed); the control
+        receive is posted again at once."""
         req = self._ctl_req
         self._progress_until(lambda: req.completed, until, idle)
         try:
