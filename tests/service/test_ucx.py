@@ -203,17 +203,17 @@ def test_a_client_killed_mid_put_leaves_nothing_behind(
         "from kvstore import StoreClient\n"
         f"c = StoreClient.connect({server.address!r}, token={ALPHA.token!r}, transport='ucx')\n"
         "v = np.ones(4 << 20, np.uint8)\n"
-        "print('ready', flush=True)\n"
         "i = 0\n"
         "while i < 100000:\n"
         "    c.put(('k%015d' % i).encode(), v); i += 1\n"
+        "    if i == 1: print('ready', flush=True)\n"
     )
     proc = subprocess.Popen(
         [sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True
     )
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-        time.sleep(0.5)  # a few puts in
+        time.sleep(0.2)  # one put committed (said "ready"), the next ones under way
     finally:
         proc.kill()
         proc.wait(10)

@@ -34,6 +34,20 @@ class Subscriber:
                 batches.append(decode(payload))
         return batches
 
+    def join(self, trigger: Callable[[], object], within_s: float = 15.0) -> None:
+        """Call ``trigger`` (something that makes the publisher send) until a message
+        arrives. A SUB socket misses whatever is published before its subscription has
+        reached the publisher, and how long that takes depends on the machine's load:
+        a fixed sleep is a flaky test on a slow machine."""
+        end = time.monotonic() + within_s
+        while time.monotonic() < end:
+            trigger()
+            if self.sock.poll(300):
+                _topic, seq, payload = self.sock.recv_multipart()
+                self.seen.append((int.from_bytes(seq, "big"), payload))
+                return
+        raise TimeoutError(f"no message reached the subscriber within {within_s} s")
+
     def close(self) -> None:
         self.sock.close(0)
         self.ctx.term()
