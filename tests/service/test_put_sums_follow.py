@@ -104,3 +104,32 @@ def test_the_client_batch_path_stores_every_item_byte_exact(
         for k, v in zip(keys, values, strict=True):
             got = c.get(k)
             assert got is not None and np.array_equal(np.asarray(got), v)
+
+
+def test_single_puts_sent_in_hashed_pieces_store_every_byte(
+    server_factory: ServerFactory,
+) -> None:
+    """A single TCP put goes as pieces of ``_PIECE`` bytes, each hashed after it is
+    sent, with the checksum after the payload: values that end mid-piece, span several
+    pieces or fit in less than one are stored byte-exact, and a rewrite of a key stored
+    already is a no-op."""
+    from kvstore.client.transport.tcp import _PIECE
+
+    server = server_factory()
+    rng = np.random.default_rng(7)
+    values = [
+        rng.integers(0, 255, 2 * _PIECE + 12_345, dtype=np.uint8),
+        rng.standard_normal((3, _PIECE // 4)).astype(np.float16),  # 1.5 pieces
+        rng.integers(0, 255, 100, dtype=np.uint8),
+        rng.integers(0, 255, _PIECE, dtype=np.uint8),  # exactly one piece
+    ]
+    keys = [f"sums-single-{i:04d}".encode() for i in range(len(values))]
+    with server.client(ALPHA, transport="tcp") as c:
+        for k, v in zip(keys, values, strict=True):
+            assert c.put(k, v) is True
+        assert c.put(keys[0], values[0]) is False  # stored already
+        for k, v in zip(keys, values, strict=True):
+            got = c.get(k)
+            assert got is not None
+            got = np.asarray(got)
+            assert got.dtype == v.dtype and got.shape == v.shape and np.array_equal(got, v)

@@ -48,6 +48,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _SUM = struct.Struct("<Q")  # a payload's xxh3 after it (PutRequest.sums_follow)
+_PIECE = 512 << 10  # a put's payload is sent and hashed in pieces this large
 _KEEP = struct.Struct("<QB")  # a layer-by-layer PUT's trailer: xxh3 and keep, per item
 
 
@@ -208,9 +209,10 @@ class TcpTransport(SocketTransport):
     ) -> list[Any]:
         results: list[Any] = [None] * len(keys)
         limit = conn.info.limits.max_value_bytes
-        # a batch sends each checksum after its payload; one item gains nothing from it
-        # (the server would wait for the trailer while the client hashes)
-        if conn.info.put_sums_follow and len(keys) > 1:
+        # each checksum follows its payload, hashed while the payload travels; over UCX
+        # a single item gains nothing from it (its blocking-mode worker does not move
+        # the payload while this thread hashes), so it is hashed first there
+        if conn.info.put_sums_follow and (len(keys) > 1 or not conn.on_ucx):
             items = prepare_writes(keys, values, results, limit, hashed=False)
             if items:
                 self._send_hashing(conn, items, scope, deadline)
@@ -250,14 +252,31 @@ class TcpTransport(SocketTransport):
     def _send_hashing(
         conn: DataConn, items: list[Outgoing], scope: pb.Scope, deadline: float
     ) -> None:
-        """PUT with each payload's xxh3 sent after it (PutRequest.sums_follow): payload
-        i leaves first and is hashed while the server receives it, the hash goes out
-        with payload i + 1, so no hash of the batch delays the first byte and the
-        server checks each item against its own hash as it lands."""
+        """PUT with each payload's xxh3 sent after it (PutRequest.sums_follow), so that
+        no hash delays the first byte and the server checks each item against its own
+        hash as it lands.
+
+        On a socket each payload goes in pieces of ``_PIECE`` bytes, each hashed (from
+        cache) right after it is handed to the kernel, while the server receives it.
+        A single put used to hash its payload first, and a batch hashed each whole
+        payload after sending it. Pieces beat both (benchmarks/RESULTS.md, "pieces
+        hashed while they travel")."""
         req = pb.PutRequest(scope=scope, sums_follow=True)
         for it in items:
             req.items.add(key=it.key, meta=meta_of(it.info))
         total = sum(it.info.nbytes + _SUM.size for it in items)
+        if not conn.on_ucx:
+            conn.send_only(Op.PUT, req, deadline, [], total)
+            for it in items:
+                data = it.data  # flat uint8 (host_bytes)
+                digest = checksum_stream()
+                for at in range(0, data.nbytes, _PIECE):
+                    piece = data[at : at + _PIECE]
+                    conn.send_more([piece])
+                    digest.update(piece)
+                it.sum = digest.intdigest()
+                conn.send_more([_SUM.pack(it.sum)])
+            return
         # over UCX a payload's send is not waited for (its receiver pulls it while this
         # thread hashes the next); read_reply waits for all of them
         conn.send_only(Op.PUT, req, deadline, [items[0].data], total, wait=False)
