@@ -41,7 +41,7 @@ from kvstore.node.mover import TierMover
 from kvstore.observe.counters import NodeCounters
 from kvstore.shm.index import IndexWriter
 from kvstore.tiering import TierKind
-from kvstore.tiers.base import Payload, Tier
+from kvstore.tiers.base import HostPayload, Payload, Tier
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.memory import MemoryTier
 
@@ -323,19 +323,34 @@ class StoreNode:
             credit._bytes,
         )
 
-    def commit(self, res: Reservation, *, expected_checksum: int | None = None) -> bool:
+    def commit(
+        self,
+        res: Reservation,
+        *,
+        expected_checksum: int | None = None,
+        landed_checksum: int | None = None,
+    ) -> bool:
         """Phase two: checksum the filled payload, write the header, make it visible.
 
         ``expected_checksum`` (from a remote writer) is verified against the bytes
         that arrived; a mismatch aborts and raises CorruptBlock. Returns False when
         the key was already present (the new copy is dropped: keys name content).
+
+        ``landed_checksum`` is the xxh3 of the payload's bytes computed by whoever wrote
+        them into ``res.payload``, as they landed (a receiver hashing each piece of a
+        socket while the next arrives). Where the payload is in host memory it stands
+        for a second pass over the bytes; the caller vouches that nothing else wrote
+        the reservation meanwhile. A device payload is always hashed after its copy.
         """
         if not res._settle.acquire(blocking=False):
             raise ReservationError("reservation already committed or aborted")
         info = res.info
         try:
             res._bytes.flush()
-            csum = res._bytes.checksum()
+            if landed_checksum is not None and isinstance(res._bytes, HostPayload):
+                csum = landed_checksum
+            else:
+                csum = res._bytes.checksum()
             if expected_checksum is not None and csum != expected_checksum:
                 self.counters.inc("corrupt_transfer")
                 raise CorruptBlock("payload checksum mismatch after transfer")

@@ -56,12 +56,12 @@ from typing import Any
 from google.protobuf.message import DecodeError, Message
 
 from kvstore._proto import store_pb2 as pb
-from kvstore.blocks import ValueInfo, checksum, layer_span
+from kvstore.blocks import ValueInfo, checksum, checksum_stream, layer_span
 from kvstore.config import ServerConfig
 from kvstore.errors import ConfigError, InvalidValue, KVStoreError, TimeoutError_, Unavailable
 from kvstore.node.store import BlockRead
 from kvstore.server.auth import TokenTable
-from kvstore.server.gateway import CreditBind, Gateway, ReadItem, WriteItem
+from kvstore.server.gateway import CreditBind, Filled, Gateway, ReadItem, WriteItem
 from kvstore.server.leases import LeaseKind
 from kvstore.tenants import Principal
 from kvstore.wire.codec import info_from_meta, status_of
@@ -558,16 +558,17 @@ class _Session:
             raise ProtocolError(f"PUT items add up to {expected} bytes, frame has {body_len}")
         received = 0
 
-        def fill(target: Any, n: int) -> int | None:
+        def fill(target: Any, n: int) -> Filled:
             nonlocal received
             received += n + trailer
             if target is None:
                 self.fs.discard(n + trailer)
-                return None
-            self._fill(target.data, n)
-            return _SUM.unpack(self.fs.recv_bytes(trailer))[0] if trailer else None
+                return None, None
+            landed = self._fill(target.data, n)
+            sent = _SUM.unpack(self.fs.recv_bytes(trailer))[0] if trailer else None
+            return sent, landed
 
-        def fill_all(targets: list[Any]) -> list[int | None]:
+        def fill_all(targets: list[Any]) -> list[Filled]:
             nonlocal received
             received = body_len
             return self._fill_all(targets, [it.nbytes for it in items], trailer)
@@ -634,28 +635,37 @@ class _Session:
                 _put_result(r, out)
         return resp
 
-    def _fill(self, view: Any, n: int) -> None:
+    def _fill(self, view: Any, n: int) -> int:
         """Receive one item's payload straight into its reservation's extent, under a
         FILL lease: past its deadline the reaper cuts the connection (``_cut``), and the
-        caller (Gateway.write) aborts the reservation when this raises."""
-        self._under_fill_lease(n, lambda: self.fs.recv_into(view))
+        caller (Gateway.write) aborts the reservation when this raises. Returns the
+        xxh3 of the bytes as they landed: on a socket each piece is hashed while the
+        next arrives, which spares the commit a second pass over the bytes."""
+        digest = checksum_stream()
+        self._under_fill_lease(n, lambda: self.fs.recv_into(view, spin=True, digest=digest))
+        return int(digest.intdigest())
 
-    def _fill_all(self, targets: list[Any], sizes: list[int], trailer: int) -> list[int | None]:
+    def _fill_all(self, targets: list[Any], sizes: list[int], trailer: int) -> list[Filled]:
         """Receive a whole batch's payloads at once (Gateway.write_at_once), each
         straight into its reservation's extent (a refused item's into scratch), with
-        its xxh3 after it when ``trailer``; returns those checksums (None each without).
-        Under one FILL lease for the whole body."""
+        its xxh3 after it when ``trailer``; returns, per item, that checksum (None
+        without) and the xxh3 of what landed. Under one FILL lease for the whole body."""
         views: list[memoryview] = []
+        digests: list[Any] = []
         tails = [bytearray(trailer) for _ in sizes] if trailer else []
         for i, (target, n) in enumerate(zip(targets, sizes, strict=True)):
             views.append(memoryview(bytearray(n) if target is None else target.data))
+            digests.append(None if target is None else checksum_stream())
             if trailer:
                 views.append(memoryview(tails[i]))
+                digests.append(None)
         total = sum(sizes) + trailer * len(sizes)
-        self._under_fill_lease(total, lambda: self.fs.recv_many(views, [None] * len(views)))
+        self._under_fill_lease(total, lambda: self.fs.recv_many(views, digests))
+        payloads = digests[:: 2 if trailer else 1]
+        landed = [None if d is None else int(d.intdigest()) for d in payloads]
         if not trailer:
-            return [None] * len(sizes)
-        return [_SUM.unpack(t)[0] for t in tails]
+            return [(None, h) for h in landed]
+        return [(_SUM.unpack(t)[0], h) for t, h in zip(tails, landed, strict=True)]
 
     def _under_fill_lease(self, n: int, receive: Callable[[], None]) -> None:
         """Run ``receive`` (of ``n`` payload bytes) under a FILL lease: past its

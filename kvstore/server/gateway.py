@@ -61,7 +61,12 @@ from kvstore.server.quotas import Quotas
 from kvstore.tenants import Principal
 from kvstore.tiering import TierKind
 
-__all__ = ["Gateway", "ReadBatch", "ReadItem", "WriteItem"]
+__all__ = ["Filled", "Gateway", "ReadBatch", "ReadItem", "WriteItem"]
+
+# What filling one item's reservation gives back: the xxh3 the writer sent after the
+# payload (None: the item's own), and the xxh3 of the bytes as they landed (None: not
+# computed, the commit hashes the buffer).
+Filled = tuple[int | None, int | None]
 
 # A COMMIT item that binds a credit: (credit lease id, checksum, key, the block's info or
 # why it has none)
@@ -372,14 +377,16 @@ class Gateway:
         model: str,
         layout: str,
         items: Sequence[WriteItem],
-        fill: Callable[[Any, int], int | None],
+        fill: Callable[[Any, int], Filled],
         path: str = "tcp",
     ) -> list[bool | KVStoreError]:
         """One write request, item by item, in order: reserve the caller's key, have
         ``fill(buffer, nbytes)`` put the item's bytes into the reservation's host buffer
         (``fill(None, nbytes)``: the item is refused or stored already, skip its bytes),
         commit against the writer's xxh3: the item's, or the one ``fill`` returns (a
-        writer that sends each checksum after its payload). Each item reports True
+        writer that sends each checksum after its payload). ``fill`` returns that xxh3
+        (or None) and the xxh3 of the bytes as they landed, when it computed one (or
+        None: the commit hashes the buffer). Each item reports True
         (stored), False (stored already) or its error. A failing ``fill`` aborts its
         reservation and ends the request; the batch-size and scope checks fail it
         before any fill."""
@@ -400,11 +407,11 @@ class Gateway:
                 out.append(False)
                 continue
             try:
-                sent_sum = fill(res.payload, it.nbytes)
+                sent_sum, landed = fill(res.payload, it.nbytes)
             except BaseException:
                 self.node.abort(res)  # a cut-short payload never becomes visible
                 raise
-            out.append(self._commit_item(p, res, it, sent_sum, path))
+            out.append(self._commit_item(p, res, it, sent_sum, path, landed))
         return out
 
     def write_at_once(
@@ -413,13 +420,13 @@ class Gateway:
         model: str,
         layout: str,
         items: Sequence[WriteItem],
-        receive: Callable[[list[Any]], list[int | None]],
+        receive: Callable[[list[Any]], list[Filled]],
         path: str = "ucx",
     ) -> list[bool | KVStoreError]:
         """One write request whose payloads are received together: every item reserved
         first, then ``receive(buffers)`` fills every reservation's host buffer (None:
-        refused or stored already, its bytes skipped) and returns each item's xxh3 when
-        the writer sent it after the payload (else None), then each item is committed.
+        refused or stored already, its bytes skipped) and returns, for each item, what
+        :meth:`write`'s ``fill`` returns; then each item is committed.
         :meth:`write` takes the items one by one; this is for a transport that gains
         from having every receive posted at once (UCX, UcxFrames.recv_many), at the
         price of holding the whole batch's space until its last byte is in. A failing
@@ -435,20 +442,28 @@ class Gateway:
                     self.node.abort(held)
             raise
         out: list[bool | KVStoreError] = []
-        for it, res, got, sent_sum in zip(items, slots, results, sums, strict=True):
+        for it, res, got, (sent_sum, landed) in zip(items, slots, results, sums, strict=True):
             if res is None:
                 out.append(False if got is None else got)
                 continue
-            out.append(self._commit_item(p, res, it, sent_sum, path))
+            out.append(self._commit_item(p, res, it, sent_sum, path, landed))
         return out
 
     def _commit_item(
-        self, p: Principal, res: Reservation, it: WriteItem, sent_sum: int | None, path: str
+        self,
+        p: Principal,
+        res: Reservation,
+        it: WriteItem,
+        sent_sum: int | None,
+        path: str,
+        landed: int | None = None,
     ) -> bool | KVStoreError:
         """Commit one filled item against the writer's xxh3 (the item's, or the one sent
-        after its payload): True, False (stored already) or its error."""
+        after its payload), with ``landed`` the xxh3 its receiver computed as the bytes
+        arrived (StoreNode.commit): True, False (stored already) or its error."""
+        checksum = it.checksum if sent_sum is None else sent_sum
         try:
-            return self._commit(p, res, it.checksum if sent_sum is None else sent_sum, path)
+            return self._commit(p, res, checksum, path, landed)
         except KVStoreError as exc:
             return exc
 
@@ -654,9 +669,11 @@ class Gateway:
             self.counters.inc("quota_refusals", tenant=p.tenant)
         return exc
 
-    def _commit(self, p: Principal, res: Reservation, checksum: int, path: str) -> bool:
+    def _commit(
+        self, p: Principal, res: Reservation, checksum: int, path: str, landed: int | None = None
+    ) -> bool:
         try:
-            stored = self.node.commit(res, expected_checksum=checksum)
+            stored = self.node.commit(res, expected_checksum=checksum, landed_checksum=landed)
         except KVStoreError:
             self.counters.inc("rejected_commits")
             raise

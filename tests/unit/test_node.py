@@ -181,6 +181,36 @@ def test_commit_with_wrong_checksum_is_refused(node: StoreNode) -> None:
     assert node.exists(k) == [False]
 
 
+def test_a_landed_checksum_stands_for_the_commit_hash_and_is_still_checked(
+    node: StoreNode,
+) -> None:
+    """A receiver that hashed the bytes as they landed hands that xxh3 to the commit
+    (``landed_checksum``): it is checked against the writer's like a computed one, a
+    mismatch stores nothing, and the block is stored under it and read back whole."""
+    from kvstore.blocks import checksum, describe
+    from kvstore.errors import CorruptBlock
+
+    k = _keys(2)
+    t = _block(6)
+    raw = np.frombuffer(t.numpy().tobytes(), np.uint8)
+    res = node.reserve(k[0], describe(t))
+    res.payload[:] = raw
+    with pytest.raises(CorruptBlock):  # what landed is not what the writer sent
+        node.commit(res, expected_checksum=checksum(raw), landed_checksum=checksum(raw) ^ 1)
+    assert node.exists([k[0]]) == [False]
+    res = node.reserve(k[1], describe(t))
+    res.payload[:] = raw
+    assert node.commit(res, expected_checksum=checksum(raw), landed_checksum=checksum(raw))
+    out = torch.zeros(SHAPE)
+    assert node.get_into(k[1], out) is True and torch.equal(out, t)
+    read = node.open_read(k[1])
+    assert read is not None
+    try:
+        assert read.header.checksum == checksum(raw)
+    finally:
+        node.close_read(read)
+
+
 def test_corrupt_ssd_block_is_a_miss(node: StoreNode, tmp_path: Path) -> None:
     keys = _keys(30)
     for i, k in enumerate(keys):

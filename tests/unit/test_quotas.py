@@ -104,9 +104,10 @@ SIZE = HEADER_SIZE + VALUE.nbytes
 def _put(gw: Gateway, p: Principal, model: str, key: bytes) -> bool | Exception:
     item = WriteItem(key, describe(VALUE), checksum(VALUE), VALUE.nbytes)
 
-    def fill(target: Any, n: int) -> None:
+    def fill(target: Any, n: int) -> tuple[None, None]:
         if target is not None:
             target.data[:] = VALUE.view(np.uint8).reshape(-1)
+        return None, None  # the item's own checksum; the commit hashes what landed
 
     return gw.write(p, model, LAYOUT, [item], fill)[0]
 
