@@ -41,7 +41,7 @@ from kvstore.node.mover import TierMover
 from kvstore.observe.counters import NodeCounters
 from kvstore.shm.index import IndexWriter
 from kvstore.tiering import TierKind
-from kvstore.tiers.base import HostPayload, Payload, Tier
+from kvstore.tiers.base import Payload, Tier
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.memory import MemoryTier
 
@@ -338,16 +338,17 @@ class StoreNode:
 
         ``landed_checksum`` is the xxh3 of the payload's bytes computed by whoever wrote
         them into ``res.payload``, as they landed (a receiver hashing each piece of a
-        socket while the next arrives). Where the payload is in host memory it stands
-        for a second pass over the bytes; the caller vouches that nothing else wrote
-        the reservation meanwhile. A device payload is always hashed after its copy.
+        socket while the next arrives). Where the fill buffer is the stored bytes
+        (``Payload.fills_in_place``: host memory) it stands for a second pass over
+        them; the caller vouches that nothing else wrote the reservation meanwhile. A
+        staged payload (a device's) is always hashed after its copy.
         """
         if not res._settle.acquire(blocking=False):
             raise ReservationError("reservation already committed or aborted")
         info = res.info
         try:
             res._bytes.flush()
-            if landed_checksum is not None and isinstance(res._bytes, HostPayload):
+            if landed_checksum is not None and res._bytes.fills_in_place:
                 csum = landed_checksum
             else:
                 csum = res._bytes.checksum()

@@ -36,6 +36,11 @@ class Payload(ABC):
     """One block's payload bytes where they lie, valid while the block is pinned (a
     read) or reserved (a write)."""
 
+    # Whether :meth:`fill_buffer` is the stored bytes themselves (no staging copy), so
+    # an xxh3 taken as they were written is the xxh3 of what is stored
+    # (StoreNode.commit's ``landed_checksum``).
+    fills_in_place = False
+
     # -- reading ------------------------------------------------------------------------
 
     @abstractmethod
@@ -72,6 +77,7 @@ class HostPayload(Payload):
     """Payload bytes in host memory: a DRAM extent or a private buffer."""
 
     __slots__ = ("_arr",)
+    fills_in_place = True
 
     def __init__(self, arr: np.ndarray) -> None:
         self._arr = arr
