@@ -651,21 +651,26 @@ class _Session:
         its xxh3 after it when ``trailer``; returns, per item, that checksum (None
         without) and the xxh3 of what landed. Under one FILL lease for the whole body."""
         views: list[memoryview] = []
-        digests: list[Any] = []
-        tails = [bytearray(trailer) for _ in sizes] if trailer else []
-        for i, (target, n) in enumerate(zip(targets, sizes, strict=True)):
+        digests: list[Any] = []  # one per view: a payload's, or None (a trailer, scratch)
+        items: list[tuple[Any, bytearray | None]] = []  # per item: its digest, its trailer
+        for target, n in zip(targets, sizes, strict=True):
+            digest = None if target is None else checksum_stream()
             views.append(memoryview(bytearray(n) if target is None else target.data))
-            digests.append(None if target is None else checksum_stream())
-            if trailer:
-                views.append(memoryview(tails[i]))
+            digests.append(digest)
+            tail = bytearray(trailer) if trailer else None
+            if tail is not None:
+                views.append(memoryview(tail))
                 digests.append(None)
+            items.append((digest, tail))
         total = sum(sizes) + trailer * len(sizes)
         self._under_fill_lease(total, lambda: self.fs.recv_many(views, digests))
-        payloads = digests[:: 2 if trailer else 1]
-        landed = [None if d is None else int(d.intdigest()) for d in payloads]
-        if not trailer:
-            return [(None, h) for h in landed]
-        return [(_SUM.unpack(t)[0], h) for t, h in zip(tails, landed, strict=True)]
+        return [
+            (
+                None if tail is None else _SUM.unpack(tail)[0],
+                None if digest is None else int(digest.intdigest()),
+            )
+            for digest, tail in items
+        ]
 
     def _under_fill_lease(self, n: int, receive: Callable[[], None]) -> None:
         """Run ``receive`` (of ``n`` payload bytes) under a FILL lease: past its

@@ -456,7 +456,7 @@ class Gateway:
         it: WriteItem,
         sent_sum: int | None,
         path: str,
-        landed: int | None = None,
+        landed: int | None,
     ) -> bool | KVStoreError:
         """Commit one filled item against the writer's xxh3 (the item's, or the one sent
         after its payload), with ``landed`` the xxh3 its receiver computed as the bytes
