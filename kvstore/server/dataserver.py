@@ -26,9 +26,9 @@ layer meanwhile). The items' checksums and keep flags close the body; one commit
 follows. A stream that ends early aborts every reservation of the request.
 
 A server with ``transport = "ucx"`` also offers UCX: a HELLO carrying a UCX worker
-address moves its connection's frames to a UCX worker of its own after INFO
-(kvstore/wire/ucx.py); the session then serves it exactly as a socket, and the socket
-stays open as the connection's lifeline. Its payloads count as path ``ucx``.
+address moves its connection's large payloads to a UCX worker of its own after INFO
+(kvstore/wire/ucx.py); headers, metadata and small bodies stay on the socket, and the
+session serves it exactly as a socket. Its payloads count as path ``ucx``.
 
 HELLO also says which process the client runs in: while any client of this very process
 is connected, no connection polls for its next request (kvstore/wire/polling.py), since
@@ -394,9 +394,9 @@ class _Session:
             if link is not None:
                 link.close()
             raise
-        if link is not None:  # from here on the frames travel over UCX
-            self.fs = UcxFrames(link, info.ucx_tag, self.fs.sock, max_meta=self.fs.max_meta)
-            self.fs.frame_timeout = self.server.config.io_timeout_s
+        if link is not None:  # from here on large payloads travel over UCX
+            assert isinstance(self.fs, FrameSocket)  # HELLO is always read off the socket
+            self.fs = UcxFrames(link, info.ucx_tag, self.fs)
             self.fs.set_timeout(self.server.config.io_timeout_s)
             self.path = "ucx"
 

@@ -1,26 +1,31 @@
-"""UCX links: data-socket frames carried by ucxx tag messages, one worker per connection.
+"""UCX links: payloads carried by ucxx tag messages, one worker per connection, beside
+the connection's socket, which carries everything else.
 
 A UCX connection starts as an ordinary data socket (TCP or the same-host Unix socket).
 HELLO carries the client's UCX worker address; a server that offers UCX makes a worker
 for this connection, an endpoint to the client's worker and a random 64-bit tag, and
 answers INFO with its own worker address and that tag. From then on both ends speak the
-same frames as before (kvstore/wire/frames.py), over UCX:
+same frames as before (kvstore/wire/frames.py), split between two carriers (framing 3):
 
-- a frame's header and metadata (with any frames queued ahead of it) go as one control
-  message, with the body when it is 64 KiB or less (copied: one message instead of
-  several); a larger body goes as one payload message per part, sent from where it
-  lies (UCX registers it; over rendezvous the receiver pulls it straight into its
-  destination). Control messages, payloads and the tail of a control message too big
-  for the receiver's control buffer travel under three tags derived from the
-  connection's, so a receive posted for one kind never takes a message of another;
-- a control message starts with its length. Each end keeps a receive posted into its
-  control buffer, so a request or reply header is in place when it arrives, with no
-  probe and no receive to post then;
-- a payload is probed (its size is not known ahead) and, when it fits what is being
-  read, received straight into the destination (the caller's tensor, a reserved slab
-  extent); anything else lands in a small buffer first. A reply's payloads are
-  received all at once (:meth:`UcxFrames.recv_many`). Payloads are still checked
-  against their xxh3 as on TCP.
+- every frame's header and metadata, and the whole body of a frame whose body is
+  64 KiB or less, travel on the socket, exactly as on a TCP connection. A request or
+  reply without a large payload costs what it costs over TCP: one system call each
+  way, no ucxx request, no receive to post, no UCX worker to wake;
+- a larger body goes over UCX, one payload message per part the sender hands over,
+  sent from where it lies (UCX registers it; over rendezvous the receiver pulls it
+  straight into its destination). Both ends know which carrier a body takes from the
+  header's body length alone.
+
+A payload is probed (its size is not known ahead) and, when it fits what is being
+read, received straight into the destination (the caller's tensor, a reserved slab
+extent); anything else lands in a small buffer first. A reply's payloads are received
+all at once (:meth:`UcxFrames.recv_many`). Payloads are still checked against their
+xxh3 as on TCP. Payloads travel under a tag derived from the connection's, so a
+stranger that reaches the worker cannot have a message of its own taken for one.
+
+Framing 2 (every frame a UCX message, control messages received into a posted
+buffer) cost a small call about twice what it costs over TCP: a ucxx request per
+message and its re-posted receive, at both ends (benchmarks/RESULTS.md, "UCX").
 
 Why worker-address endpoints rather than a UCX listener: an endpoint a listener accepts
 belongs to the listener's worker (one for all connections, not thread-safe).
@@ -37,15 +42,15 @@ other hosts, where the RDMA and tcp transports support peer-failure handling. A 
 whose UCX_TLS leaves no such transport declines UCX and the connection stays on its
 socket.
 
-What the socket still does. It authenticated the connection (and the tag travels on
-it, so a third party that reaches the worker's port cannot speak on it), and it stays
-open as the connection's lifeline: both ends wait for UCX events and for the socket at
-once, so a peer that dies or closes is noticed at once, however long UCX's own failure
-detection would take. The lease reaper ends a stalled put by shutting that socket down, as on
+What else the socket does. It authenticated the connection (and the tag travels on
+it, so a third party that reaches the worker's port cannot speak on it), and it is the
+connection's lifeline: while an end waits for UCX it also watches the socket, so a
+peer that dies or closes is noticed at once, however long UCX's own failure detection
+would take. The lease reaper ends a stalled put by shutting that socket down, as on
 TCP. Payloads over UCX travel in the clear, so a server with TLS never offers UCX.
 
-Waiting is UCX's blocking progress mode: progress, probe, spin a few rounds, then arm
-the worker and sleep in poll() on its event descriptor and the socket.
+Waiting for a payload is UCX's blocking progress mode: progress, probe, spin a few
+rounds, then arm the worker and sleep in poll() on its event descriptor and the socket.
 
 Settings (unless the environment says otherwise): ``UCX_RNDV_FRAG_MEM_TYPE=host`` (no
 GPU: rendezvous fragments in host memory) and 256 KiB tcp segments. Tests set
@@ -60,7 +65,6 @@ import os
 import secrets
 import select
 import socket
-import struct
 import threading
 import time
 from collections import deque
@@ -68,15 +72,15 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from kvstore.errors import KVStoreError, TimeoutError_, TransportError
-from kvstore.wire.frames import HEADER, MAGIC, ProtocolError
+from kvstore.wire.frames import FrameSocket, ProtocolError
 
 __all__ = ["WIRE", "UcxFrames", "UcxWorker", "available", "new_tag"]
 
-# The version of the framing below (Hello.ucx_wire, InfoResponse.ucx_wire). 2: control
-# messages, payloads and control overflow under three tags, control messages length-
-# prefixed and received into a posted buffer. Version 1 (one tag, every message probed)
-# sent no version.
-WIRE = 2
+# The version of the framing below (Hello.ucx_wire, InfoResponse.ucx_wire). 3: headers,
+# metadata and small bodies on the socket, larger bodies over UCX. 2: every frame over
+# UCX, control messages, payloads and control overflow under three tags. Version 1 (one
+# tag, every message probed) sent no version.
+WIRE = 3
 
 _SPINS = 64  # progress rounds (~1-2 us each) before arming the worker and sleeping
 # A sleep in the middle of a call lasts this long at most. UCX's blocking mode can miss
@@ -85,9 +89,7 @@ _SPINS = 64  # progress rounds (~1-2 us each) before arming the worker and sleep
 # slept until the call's timeout). Such a miss now costs this, never the timeout.
 _NAP_MS = 20
 _FLUSH_S = 0.5  # at close, how long our last small sends may take to leave
-_LEN = struct.Struct("<I")  # a control message's length, ahead of it
-_COALESCE = 64 << 10  # a frame body this small travels in its header's message (copied)
-_CTL_CAP = _COALESCE + (16 << 10)  # the control buffer: a header, metadata, a small body
+_SMALL = 64 << 10  # a frame body this small travels on the socket, after its header
 _POLL_IN = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP
 # Defaults unless the environment sets them: rendezvous fragments in host memory (no
 # GPU), and 256 KiB tcp segments (UCX's 8 KiB default moved 1 MiB at 0.8 GB/s on
@@ -197,91 +199,115 @@ class UcxFrames:
     """Frames over one UCX connection, with the surface of FrameSocket (frames.py), so
     the client's DataConn and the server's session use either unchanged.
 
-    ``sock`` is the connection's socket, kept as its lifeline (see the module).
+    ``fs`` is the connection's socket, already authenticated: it carries headers,
+    metadata and small bodies, and is the connection's lifeline (see the module).
     """
 
     tls = False
 
-    def __init__(self, link: UcxWorker, tag: int, sock: socket.socket, *, max_meta: int) -> None:
+    def __init__(self, link: UcxWorker, tag: int, fs: FrameSocket) -> None:
         self.link = link
         self.tag = tag
-        self.sock = sock
-        self.max_meta = max_meta
-        self.frame_timeout: float | None = None
-        self._frame_until = 0.0
+        self.fs = fs
+        self.sock = fs.sock
         self._timeout: float | None = None
+        self._frame_until = 0.0  # time.monotonic() bound of the frame being read
         self.closed = False
-        self.broken = False
-        self._buf: bytes | bytearray = b""  # received bytes not yet consumed: _buf[_r:]
+        self._broken = False
+        self._meta_left = 0  # metadata bytes of the frame being read still on the socket
+        self._body_ucx = False  # the body of the frame being read travels over UCX
+        self._send_ucx = False  # the body of the frame being sent travels over UCX
+        self._buf: bytes | bytearray = b""  # payload bytes received, not consumed: _buf[_r:]
+        self._r = 0
         self._owned: list[tuple[Any, bytes]] = []  # sends of our own bytes in flight
         self._lent: list[tuple[Any, memoryview]] = []  # sends from callers' buffers
-        self._r = 0
         self._next: Any = None  # a probed message not yet received
         self._poll = select.poll()
         self._poll.register(link.fd, select.POLLIN)
-        self._poll.register(sock.fileno(), _POLL_IN)
-        base = tag & ~3
-        self._ctl = _lib.UCXXTag(base)  # control messages (see the module)
-        self._data = _lib.UCXXTag(base | 1)  # payloads
-        self._over = _lib.UCXXTag(base | 2)  # the rest of an oversize control message
+        self._poll.register(self.sock.fileno(), _POLL_IN)
+        self._data = _lib.UCXXTag((tag & ~3) | 1)  # payloads (see the module)
         self._mask = _lib.UCXXTagMaskFull
-        self._ctl_left = 0  # bytes of the current frame's header or metadata to come
-        self._ctl_buf = bytearray(_CTL_CAP)
-        self._ctl_req: Any = None
-        self._post_ctl()
+
+    @property
+    def broken(self) -> bool:
+        """A send or receive failed, on either carrier: the stream is out of step."""
+        return self._broken or self.fs.broken
+
+    @broken.setter
+    def broken(self, value: bool) -> None:
+        self._broken = value
+
+    @property
+    def max_meta(self) -> int:
+        return self.fs.max_meta
+
+    @max_meta.setter
+    def max_meta(self, value: int) -> None:
+        self.fs.max_meta = value
+
+    @property
+    def frame_timeout(self) -> float | None:
+        """A server's bound on one whole frame (FrameSocket.frame_timeout)."""
+        return self.fs.frame_timeout
+
+    @frame_timeout.setter
+    def frame_timeout(self, value: float | None) -> None:
+        self.fs.frame_timeout = value
 
     @property
     def _w(self) -> Any:
         """The connection's worker (TransportError once closed)."""
         w = self.link.worker
         if w is None:
-            self.broken = True
+            self._broken = True
             raise TransportError("UCX: the connection is closed")
         return w
 
     # -- timeouts ------------------------------------------------------------------------
 
     def set_timeout(self, seconds: float | None) -> None:
-        """Bound every following send and receive (None: wait forever)."""
+        """Bound every following send and receive, on both carriers (None: forever)."""
+        self.fs.set_timeout(seconds)
         self._timeout = None if seconds is None else max(seconds, 0.001)
 
     def set_deadline(self, deadline: float | None) -> None:
         """:meth:`set_timeout` to what remains until ``deadline`` (time.monotonic)."""
         if deadline is None:
-            self._timeout = None
+            self.set_timeout(None)
             return
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError_("deadline passed before the UCX request")
-        self._timeout = left
+        self.set_timeout(left)
 
     def _until(self) -> float:
         return math.inf if self._timeout is None else time.monotonic() + self._timeout
 
     # -- waiting -------------------------------------------------------------------------
 
-    def _sleep(self, until: float, idle: bool, nap: bool = True) -> None:
+    def _sleep(self, until: float, nap: bool = True) -> None:
         """Sleep until a UCX event, the socket stirs, or ``until`` (``nap`` False: only
-        look); raise when the lifeline socket closed or failed, or time ran out (not
-        while ``idle``)."""
+        look); raise when the lifeline socket closed or failed, or time ran out."""
         now = time.monotonic()
-        if now >= until and not idle:
+        if now >= until:
             raise TimeoutError_("UCX: the peer stalled")
-        wait_ms = -1 if until == math.inf else max(int((until - now) * 1000) + 1, 1)
-        cap = 1000 if idle else _NAP_MS
-        wait_ms = cap if wait_ms < 0 else min(wait_ms, cap)
+        wait_ms = _NAP_MS if until == math.inf else min(int((until - now) * 1000) + 1, _NAP_MS)
         sock_fd = self.sock.fileno()
         if self.closed or sock_fd < 0:  # closed under this wait: nothing more will come
             raise _PeerClosed("UCX: the connection is closed")
+        if self.fs.buffered:  # read ahead with the header: the next frame came too soon
+            raise ProtocolError("UCX: a frame on the socket while a payload was due")
         for fd, ev in self._poll.poll(wait_ms if nap else 0):
             if ev & select.POLLNVAL:  # a descriptor closed under us: never poll it again
                 raise _PeerClosed("UCX: the connection is closed")
             if fd == sock_fd:
                 self._check_socket()
-        if self.frame_timeout is not None and self._frame_until and not idle:
+        if self.frame_timeout is not None and self._frame_until:
             self._check_frame_time()
 
     def _check_socket(self) -> None:
+        """The socket stirred while a payload was due over UCX: the peer closed, or it
+        broke the framing (nothing may come on the socket until this frame is done)."""
         try:
             data = self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
         except BlockingIOError:
@@ -290,9 +316,9 @@ class UcxFrames:
             raise TransportError(f"UCX: the connection's socket failed: {exc}") from None
         if not data:
             raise _PeerClosed("UCX: the peer closed the connection")
-        raise ProtocolError("UCX: unexpected bytes on the connection's socket")
+        raise ProtocolError("UCX: bytes on the connection's socket while a payload was due")
 
-    def _progress_until(self, done: Callable[[], bool], until: float, idle: bool = False) -> None:
+    def _progress_until(self, done: Callable[[], bool], until: float) -> None:
         w = self._w
         spins = 0
         while True:
@@ -304,7 +330,7 @@ class UcxFrames:
                 continue
             if w.arm():
                 try:
-                    self._sleep(until, idle)
+                    self._sleep(until)
                 except _PeerClosed:
                     # what the peer sent before it closed may still be on its way
                     for _ in range(_SPINS):
@@ -313,7 +339,7 @@ class UcxFrames:
                             return
                     raise
             elif not spins % _SPINS:  # busy (events keep coming): still watch the socket
-                self._sleep(until, idle, nap=False)
+                self._sleep(until, nap=False)
 
     def _wait_all(self, reqs: list[Any], what: str) -> None:
         until = self._until()
@@ -328,10 +354,11 @@ class UcxFrames:
         """End a failed call: nothing may go on writing into (or reading from) the
         caller's buffers once it has failed, so what is in flight is cancelled before
         the error (a KVStoreError) is raised; the connection is done."""
-        self.broken = True
+        self._broken = True
         with contextlib.suppress(Exception):
             self._w.cancel_inflight_requests()
             self._w.progress()
+        self._lent = []
         if isinstance(exc, KVStoreError):
             raise exc
         if isinstance(exc, Exception):
@@ -340,18 +367,19 @@ class UcxFrames:
 
     # -- sending -------------------------------------------------------------------------
 
-    def _post(self, parts: Sequence[tuple[Any, Any]]) -> list[tuple[Any, memoryview]]:
-        """Post one tag message per (tag, part); returns the requests to wait for, each
+    def _post(self, parts: Sequence[Any]) -> list[tuple[Any, memoryview]]:
+        """Post one payload message per part; returns the requests to wait for, each
         with the view it reads (which keeps the caller's buffer alive). A ``bytes`` part
         is this connection's to keep alive (nobody can change it), so it is not waited
         for: it completes while later calls progress the worker."""
         ep = self.link.ep
         if ep is None or self.closed:
-            self.broken = True
+            self._broken = True
             raise TransportError("UCX: the connection is closed")
         self._reap()
         reqs = []
-        for tag, part in parts:
+        tag = self._data
+        for part in parts:
             if type(part) is bytes:
                 if part:
                     self._owned.append((ep.tag_send(_arr.Array(part), tag), part))
@@ -371,7 +399,7 @@ class UcxFrames:
                 try:
                     req.check_error()
                 except Exception as exc:
-                    self.broken = True
+                    self._broken = True
                     raise _ucx_error(exc, "send") from exc
             else:
                 left.append((req, part))
@@ -387,33 +415,34 @@ class UcxFrames:
         before: bytes = b"",
         wait: bool = True,
     ) -> None:
-        """Send one frame: header and metadata in one control message, with the body
-        when it is small (copied: one message instead of several), else each body part
-        in one payload message, from where it lies. Returns once the peer has every
-        part the caller owns, so the caller may reuse its buffers; with ``wait`` False
-        it returns once they are posted, and :meth:`flush` waits for them."""
-        head = before + HEADER.pack(MAGIC, op, 0, len(meta), body_len) + meta
-        views = [memoryview(b).cast("B") for b in body]
-        if sum(v.nbytes for v in views) <= _COALESCE:
-            self._send(self._control(head + b"".join(views)), wait)
-        else:
-            self._send(self._control(head) + [(self._data, v) for v in views], wait)
+        """Send one frame: on the socket with its body when the body is small, else
+        its header and metadata on the socket and each body part as one payload
+        message, from where it lies. The payloads are posted first, so they are on
+        their way when the peer reads the header. Returns once the peer has every part
+        the caller owns, so the caller may reuse its buffers; with ``wait`` False it
+        returns once they are posted, and :meth:`flush` waits for them."""
+        self._send_ucx = body_len > _SMALL
+        if not self._send_ucx:
+            self.fs.send(op, meta, body, body_len, before=before)
+            return
+        self._send(body, wait=False)
+        try:
+            self.fs.send(op, meta, (), body_len, before=before)
+        except BaseException as exc:
+            self._abandon(exc, "send")
+        if wait:
+            self.flush()
 
     def send_more(self, parts: Sequence[Any], *, wait: bool = True) -> None:
         """More body bytes of the frame :meth:`send` started (``wait`` as there)."""
-        self._send([(self._data, p) for p in parts], wait)
+        if self._send_ucx:
+            self._send(parts, wait)
+        else:
+            self.fs.send_more(parts)
 
     def send_raw(self, data: bytes) -> None:
-        """Send whole frames prepared with frames.frame."""
-        self._send(self._control(bytes(data)), True)
-
-    def _control(self, content: bytes) -> list[tuple[Any, bytes]]:
-        """``content`` as a control message: its length, then itself; what does not
-        fit the receiver's control buffer follows under the overflow tag."""
-        msg = _LEN.pack(len(content)) + content
-        if len(msg) <= _CTL_CAP:
-            return [(self._ctl, msg)]
-        return [(self._ctl, msg[:_CTL_CAP]), (self._over, msg[_CTL_CAP:])]
+        """Send whole frames prepared with frames.frame (no body: on the socket)."""
+        self.fs.send_raw(data)
 
     def flush(self) -> None:
         """Wait until the peer has every part sent with ``wait`` False: a writer that
@@ -422,14 +451,14 @@ class UcxFrames:
         if lent:
             self._wait_all([r for r, _ in lent], "send")
 
-    def _send(self, parts: Sequence[tuple[Any, Any]], wait: bool) -> None:
+    def _send(self, parts: Sequence[Any], wait: bool) -> None:
         try:
             reqs = self._post(parts)
         except KVStoreError:
-            self.broken = True
+            self._broken = True
             raise
         except Exception as exc:
-            self.broken = True
+            self._broken = True
             raise _ucx_error(exc, "send") from exc
         self._lent.extend(reqs)
         if wait:
@@ -440,50 +469,90 @@ class UcxFrames:
     @property
     def buffered(self) -> int:
         """Bytes received (or announced) and not yet consumed."""
-        ready = self._ctl_req is not None and self._ctl_req.completed
         nxt = self._next.length if self._next is not None else 0
-        return len(self._buf) - self._r + nxt + (1 if ready else 0)
+        return self.fs.buffered + len(self._buf) - self._r + nxt
 
-    def _post_ctl(self) -> None:
-        """Post the receive of the next control message into the control buffer: a
-        request or reply header lands as it arrives, with no probe and no receive to
-        post then."""
-        try:
-            self._ctl_req = self._w.tag_recv(_arr.Array(self._ctl_buf), self._ctl, self._mask)
-        except KVStoreError:
-            raise
-        except Exception as exc:
-            self.broken = True
-            raise _ucx_error(exc, "receive") from exc
+    def poll_next(self, keep_going: Callable[[], bool]) -> bool:
+        """Poll, without sleeping, for the next frame's first bytes while
+        ``keep_going()`` holds (FrameSocket.poll_next: they come on the socket)."""
+        return self.fs.poll_next(keep_going)
 
-    def _next_control(self, until: float, idle: bool) -> None:
-        """Wait for the next control message and make its content the buffered bytes
-        (called once the previous message's bytes are all consumed); the control
-        receive is posted again at once."""
-        req = self._ctl_req
-        self._progress_until(lambda: req.completed, until, idle)
-        try:
-            req.check_error()  # a message larger than the control buffer: truncated
-        except Exception as exc:
-            self.broken = True
-            raise _ucx_error(exc, "control receive") from exc
-        (total,) = _LEN.unpack_from(self._ctl_buf)
-        if not 0 < total <= self._ctl_limit():
-            self.broken = True
-            raise ProtocolError(f"UCX: a control message of {total} bytes")
-        first = min(total, _CTL_CAP - _LEN.size)
-        content = bytearray(total)
-        content[:first] = self._ctl_buf[_LEN.size : _LEN.size + first]
-        self._post_ctl()
-        if total > first:
-            rest = memoryview(content)[first:]
-            self._wait_all([self._w.tag_recv(_arr.Array(rest), self._over, self._mask)], "receive")
-        self._buf, self._r = content, 0
+    def recv_header(self, *, idle: bool = False) -> tuple[int, int, int]:
+        """Read a frame header off the socket: (op, meta_len, body_len)
+        (FrameSocket.recv_header); the body length says which carrier brings the
+        body."""
+        if self._r < len(self._buf) or self._next is not None:
+            self._broken = True
+            raise ProtocolError("UCX: payload bytes past the end of a frame's body")
+        op, meta_len, body_len = self.fs.recv_header(idle=idle)
+        self._meta_left = meta_len
+        self._body_ucx = body_len > _SMALL
+        if self.frame_timeout is not None:
+            self._frame_until = time.monotonic() + self.frame_timeout
+        return op, meta_len, body_len
 
-    def _ctl_limit(self) -> int:
-        """The largest control message a peer may send: owed frames ahead, a header,
-        metadata within max_meta and a small body."""
-        return 2 * (self.max_meta + HEADER.size) + _COALESCE
+    def _check_frame_time(self) -> None:
+        if self._frame_until and time.monotonic() > self._frame_until:
+            self._broken = True
+            raise TimeoutError_(
+                f"UCX: the peer took more than {self.frame_timeout:g} s to send one frame"
+            )
+
+    def recv_bytes(self, n: int) -> bytes:
+        """Read exactly ``n`` bytes (frame metadata, or a few body bytes)."""
+        if n <= self._meta_left:
+            self._meta_left -= n
+            return self.fs.recv_bytes(n)
+        out = bytearray(n)
+        self.recv_into(memoryview(out))
+        return bytes(out)
+
+    def _meta_into(self, view: memoryview) -> int:
+        """Fill the start of ``view`` with what is left of the frame's metadata (a
+        reader that takes metadata and body in one read); returns how many bytes."""
+        k = min(self._meta_left, view.nbytes)
+        if k:
+            self.fs.recv_into(view[:k])
+            self._meta_left -= k
+        return k
+
+    def recv_into(self, view: memoryview, *, spin: bool = False, digest: Any = None) -> None:
+        """Fill ``view`` exactly (a payload straight into its destination); ``digest``
+        is fed every byte of it (as it arrives on the socket, once it is here over
+        UCX)."""
+        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        k = self._meta_into(view) if self._meta_left else 0
+        if not self._body_ucx and not k:
+            self.fs.recv_into(view, spin=spin, digest=digest)
+            return
+        if self._body_ucx:
+            self._read(view[k:])
+        else:
+            self.fs.recv_into(view[k:], spin=spin)
+        if digest is not None:
+            digest.update(view)
+
+    def _take(self, view: memoryview, until: float) -> int:
+        """Fill ``view`` from buffered payload bytes, else with the next payload
+        message; returns how many bytes landed. A message that fits lands straight in
+        ``view``."""
+        if self._r < len(self._buf):
+            k = min(len(self._buf) - self._r, view.nbytes)
+            view[:k] = self._buf[self._r : self._r + k]
+            self._r += k
+            if self._r == len(self._buf):
+                self._buf, self._r = b"", 0
+            return k
+        msg = self._probe(until)
+        n = int(msg.length)
+        if n <= view.nbytes:
+            self._recv_msg(view[:n], msg)
+            return n
+        spill = bytearray(n)
+        self._recv_msg(memoryview(spill), msg)
+        self._buf, self._r = spill, view.nbytes
+        view[:] = self._buf[: view.nbytes]
+        return view.nbytes
 
     def _probe(self, until: float) -> Any:
         """The next payload message (probed and taken off UCX's queue)."""
@@ -503,121 +572,35 @@ class UcxFrames:
         self._progress_until(arrived, until)
         return box[0]
 
-    def _take(self, view: memoryview, until: float, idle: bool = False) -> int:
-        """Fill ``view`` from buffered bytes, else with the next control message (while
-        the frame's header or metadata is being read) or the next payload message;
-        returns how many bytes landed. A payload that fits lands straight in ``view``."""
-        if self._r >= len(self._buf) and self._ctl_left:
-            self._next_control(until, idle)
-        if self._r < len(self._buf):
-            k = min(len(self._buf) - self._r, view.nbytes)
-            if self._ctl_left:
-                k = min(k, self._ctl_left)
-                self._ctl_left -= k
-            view[:k] = self._buf[self._r : self._r + k]
-            self._r += k
-            return k
-        msg = self._probe(until)
-        n = int(msg.length)
-        if n <= view.nbytes:
-            self._recv_msg(view[:n], msg)
-            return n
-        spill = bytearray(n)
-        self._recv_msg(memoryview(spill), msg)
-        self._buf, self._r = spill, view.nbytes
-        view[:] = self._buf[: view.nbytes]
-        return view.nbytes
-
     def _recv_msg(self, view: memoryview, msg: Any) -> None:
         if not view.nbytes:
             return
         try:
             req = self._w.tag_recv_with_handle(_arr.Array(view), msg)
         except Exception as exc:
-            self.broken = True
+            self._broken = True
             raise _ucx_error(exc, "receive") from exc
         self._wait_all([req], "receive")
 
-    def poll_next(self, keep_going: Callable[[], bool]) -> bool:
-        """Poll, without sleeping, for the next control message while ``keep_going()``
-        holds; True once one is here (FrameSocket.poll_next)."""
-        if self.buffered:
-            return True
-        w, req = self._w, self._ctl_req
-        try:
-            while keep_going():
-                w.progress()
-                if req.completed:
-                    return True
-        except Exception:
-            return True
-        return False
-
-    def _read(self, view: memoryview, idle: bool = False, header: bool = False) -> None:
+    def _read(self, view: memoryview) -> None:
+        """Fill ``view`` with payload bytes over UCX."""
         until = self._until()
         got, n = 0, view.nbytes
         try:
             while got < n:
-                try:
-                    got += self._take(view[got:], until, idle and not got)
-                except _PeerClosed:
-                    if header and not got:  # nothing of a next frame had come
-                        raise EOFError("peer closed the connection") from None
-                    raise
+                got += self._take(view[got:], until)
                 if self.frame_timeout is not None and got < n:
                     self._check_frame_time()
         except KVStoreError:
-            self.broken = True
+            self._broken = True
             raise
-
-    def recv_header(self, *, idle: bool = False) -> tuple[int, int, int]:
-        """Read a frame header: (op, meta_len, body_len) (FrameSocket.recv_header)."""
-        if self.frame_timeout is not None:
-            self._frame_until = time.monotonic() + self.frame_timeout if self.buffered else 0.0
-        head = bytearray(HEADER.size)
-        self._ctl_left = HEADER.size
-        self._read(memoryview(head), idle=idle, header=True)
-        magic, op, _flags, meta_len, body_len = HEADER.unpack(head)
-        if magic != MAGIC:
-            self.broken = True
-            raise ProtocolError(f"UCX: bad frame magic {bytes(magic)!r}")
-        if meta_len > self.max_meta:
-            self.broken = True
-            raise ProtocolError(
-                f"UCX: frame metadata of {meta_len} bytes exceeds the limit of {self.max_meta}"
-            )
-        self._ctl_left = meta_len
-        if self.frame_timeout is not None and not self._frame_until:
-            self._frame_until = time.monotonic() + self.frame_timeout
-        return op, meta_len, body_len
-
-    def _check_frame_time(self) -> None:
-        if self._frame_until and time.monotonic() > self._frame_until:
-            self.broken = True
-            raise TimeoutError_(
-                f"UCX: the peer took more than {self.frame_timeout:g} s to send one frame"
-            )
-
-    def recv_bytes(self, n: int) -> bytes:
-        """Read exactly ``n`` bytes (frame metadata)."""
-        out = bytearray(n)
-        self._read(memoryview(out))
-        return bytes(out)
-
-    def recv_into(self, view: memoryview, *, spin: bool = False, digest: Any = None) -> None:
-        """Fill ``view`` exactly (a payload straight into its destination); ``digest``
-        is fed every byte of it once it is here."""
-        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
-        self._read(view)
-        if digest is not None:
-            digest.update(view)
 
     def recv_many(
         self, views: Sequence[memoryview], digests: Sequence[Any], *, spin: bool = False
     ) -> None:
         """Fill each of ``views`` in turn, as ``recv_into`` would, feeding ``digests[i]``
         (or nothing, where it is None) every byte of ``views[i]`` (``spin``: as
-        FrameSocket.recv_many; waiting here always spins first).
+        FrameSocket.recv_many, for a small body on the socket).
 
         Why not a loop of ``recv_into``: each payload above UCX's eager limit is a
         rendezvous, and a receive posted only once the previous payload is in and hashed
@@ -629,6 +612,10 @@ class UcxFrames:
         the pipelining: what is posted is waited for, and the rest is read as
         ``recv_into`` reads it.
         """
+        if not self._body_ucx or self._meta_left:
+            for view, digest in zip(views, digests, strict=True):
+                self.recv_into(view, spin=spin, digest=digest)
+            return
         flat = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in views]
         count = len(flat)
         i = off = 0  # where the next byte lands: flat[i][off]
@@ -651,6 +638,8 @@ class UcxFrames:
             flat[i][off : off + k] = self._buf[self._r : self._r + k]
             self._r += k
             advance(k)
+        if self._r == len(self._buf):
+            self._buf, self._r = b"", 0
         for j in range(i):
             self._feed(flat, digests, j)
         fed = i  # views [0, fed) are whole and hashed
@@ -703,11 +692,14 @@ class UcxFrames:
             digests[j].update(flat[j])
 
     def discard(self, n: int) -> None:
-        """Read and drop ``n`` payload bytes."""
+        """Read and drop ``n`` body bytes (a refused item of a batch)."""
+        if not self._body_ucx:
+            self.fs.discard(n)
+            return
         scratch = memoryview(bytearray(min(n, 1 << 20)))
         while n > 0:
             k = min(n, scratch.nbytes)
-            self.recv_into(scratch[:k])
+            self._read(scratch[:k])
             n -= k
 
     def close(self) -> None:
@@ -718,13 +710,11 @@ class UcxFrames:
         self._flush_owned()
         self.closed = True
         self.link.close()
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
+        self.fs.close()
 
     def _flush_owned(self) -> None:
-        """Let sends of our own bytes still in flight (an ERROR frame before a close)
-        leave before the endpoint is forced shut, for a moment at most."""
+        """Let sends of our own bytes still in flight leave before the endpoint is
+        forced shut, for a moment at most."""
         w = self.link.worker
         end = time.monotonic() + _FLUSH_S
         with contextlib.suppress(Exception):

@@ -315,21 +315,27 @@ def test_a_batch_put_that_stalls_over_ucx_leaves_nothing(server_factory: ServerF
         assert c.exists(keys) == [False, False]
 
 
-def test_a_frame_with_another_tag_is_never_read(store_server_ucx: ServerProcess) -> None:
-    """Frames only count on the connection's own tag: a message under any other tag
-    (a peer that guessed the worker's address but not the tag) is not taken for a
-    request."""
-    conn = _ucx_conn(store_server_ucx)
-    fs = conn.fs
-    assert isinstance(fs, UcxFrames)
-    good = fs._ctl
-    fs._ctl = type(good)((fs.tag & ~3) ^ (1 << 40))  # send as a stranger would
-    fs.send(Op.EXISTS, pb.KeysRequest(keys=[_key("x")]).SerializeToString())
-    fs._ctl = good
-    fs.set_timeout(0.5)
-    with pytest.raises(TimeoutError_):  # no reply: the server never saw a request
-        fs.recv_header()
-    conn.close()
+def test_a_payload_with_another_tag_is_never_stored(server_factory: ServerFactory) -> None:
+    """Payloads only count on the connection's own tag: a PUT whose payload comes under
+    any other tag (a peer that guessed the worker's address but not the tag) stores
+    nothing; the server waits for the real payload until the put's FILL lease runs
+    out, cuts the connection and reclaims the space."""
+    server = server_factory(transport="ucx", put_grace_s=0.5, put_floor_bytes=1 << 30)
+    with server.client(ALPHA) as c:
+        baseline = c.stats()["tiers"]["dram"]["used"]
+        conn = _ucx_conn(server)
+        fs = conn.fs
+        assert isinstance(fs, UcxFrames)
+        fs.set_timeout(5)
+        fs._data = type(fs._data)(((fs.tag & ~3) ^ (1 << 40)) | 1)  # as a stranger would
+        meta = pb.ValueMeta(dtype="uint8", shape=[MiB], kind=0, nbytes=MiB)
+        req = pb.PutRequest(items=[pb.PutItem(key=_key("stranger"), meta=meta, checksum=1)])
+        fs.send(Op.PUT, req.SerializeToString(), [np.ones(MiB, np.uint8)], MiB, wait=False)
+        with pytest.raises((EOFError, KVStoreError)):
+            fs.recv_header()
+        conn.close()
+        wait_until(lambda: c.stats()["tiers"]["dram"]["used"] == baseline, "space reclaimed")
+        assert c.exists([_key("stranger")]) == [False]
 
 
 def test_connections_that_come_and_go_leak_nothing(store_server_ucx: ServerProcess) -> None:

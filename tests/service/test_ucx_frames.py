@@ -1,7 +1,7 @@
-"""UcxFrames.recv_many between two UCX workers of this process (UCX over tcp on
-loopback, a socket pair as the connection's lifeline): a reply's payloads received at
-once, each straight into its own view and hashed, whatever the sender's message
-boundaries.
+"""UcxFrames between two UCX workers of this process (UCX over tcp on loopback, a
+socket pair carrying headers, metadata and small bodies): a reply's payloads received
+at once, each straight into its own view and hashed, whatever the sender's message
+boundaries; and a peer that breaks the split between the two carriers.
 
 The sender runs in a thread: a payload above UCX's eager limit is a rendezvous, which
 completes only while the receiver makes progress.
@@ -19,9 +19,9 @@ import pytest
 import xxhash
 
 from kvstore.blocks import checksum_stream
-from kvstore.errors import KVStoreError, TimeoutError_
-from kvstore.wire.frames import Op, ProtocolError
-from kvstore.wire.ucx import _CTL_CAP, _LEN, UcxFrames, UcxWorker, new_tag
+from kvstore.errors import TimeoutError_
+from kvstore.wire.frames import FrameSocket, Op, ProtocolError
+from kvstore.wire.ucx import _SMALL, UcxFrames, UcxWorker, new_tag
 from kvstore.wire.ucx import available as ucx_available
 
 pytestmark = pytest.mark.skipif(not ucx_available(), reason="ucxx is not installed")
@@ -37,8 +37,8 @@ def ucx_pair() -> Iterator[tuple[UcxFrames, UcxFrames]]:
     a.connect(b.address)
     b.connect(a.address)
     tag = new_tag()
-    sender = UcxFrames(a, tag, a_sock, max_meta=1 << 20)
-    receiver = UcxFrames(b, tag, b_sock, max_meta=1 << 20)
+    sender = UcxFrames(a, tag, FrameSocket(a_sock, max_meta=1 << 20))
+    receiver = UcxFrames(b, tag, FrameSocket(b_sock, max_meta=1 << 20))
     for fs in (sender, receiver):
         fs.set_timeout(20)
     yield sender, receiver
@@ -76,11 +76,7 @@ def _receive(
     total = sum(p.nbytes for p in parts)
     assert sum(sizes) == total
 
-    def send() -> None:
-        sender.send(Op.GET, b"meta", parts, total)
-        sender._flush_owned()  # a small frame leaves while the sender makes progress
-
-    t = _Sender(send)
+    t = _Sender(lambda: sender.send(Op.GET, b"meta", parts, total))
     op, meta_len, body_len = receiver.recv_header()
     assert (op, body_len) == (Op.GET, total)
     assert receiver.recv_bytes(meta_len) == b"meta"
@@ -105,11 +101,17 @@ def test_payloads_that_match_the_views_land_in_them(ucx_pair: tuple[UcxFrames, U
     _receive(ucx_pair, parts, [p.nbytes for p in parts])
 
 
-def test_a_small_body_comes_with_its_header(ucx_pair: tuple[UcxFrames, UcxFrames]) -> None:
-    """A body of 64 KiB or less travels in the header's message: the views are filled
-    from what is buffered, empty views included."""
+def test_a_small_body_comes_on_the_socket(ucx_pair: tuple[UcxFrames, UcxFrames]) -> None:
+    """A body of 64 KiB or less follows its header on the socket (no UCX message at
+    all): the views are filled from it, empty views included."""
     parts = [_payload(10, 1), _payload(0, 2), _payload(100, 3)]
     _receive(ucx_pair, parts, [10, 0, 100])
+    sender, _ = ucx_pair
+    assert not sender._lent and not sender._owned
+    edge = [_payload(_SMALL - 8, 4), _payload(8, 5)]  # exactly the limit: still the socket
+    _receive(ucx_pair, edge, [_SMALL // 2, _SMALL // 2])
+    over = [_payload(_SMALL - 8, 6), _payload(9, 7)]  # one byte more: over UCX
+    _receive(ucx_pair, over, [_SMALL, 1])
 
 
 def test_messages_that_cross_view_ends_still_land_in_order(
@@ -152,59 +154,90 @@ def test_a_sender_that_stalls_mid_batch_times_out(ucx_pair: tuple[UcxFrames, Ucx
     assert not outs[1].any()
 
 
-def test_metadata_larger_than_the_control_buffer_arrives_whole(
+def test_metadata_of_any_size_arrives_whole_and_in_step(
     ucx_pair: tuple[UcxFrames, UcxFrames],
 ) -> None:
-    """A control message longer than the receiver's control buffer: its tail follows
-    under the overflow tag, and the frame after it is read in step."""
+    """Metadata larger than the socket's read buffer, then a frame with a UCX body and
+    one with a small body: each is read in step."""
     sender, receiver = ucx_pair
-    meta = np.random.default_rng(7).integers(0, 255, 3 * _CTL_CAP, np.uint8).tobytes()
-    small = _payload(100, 8)
+    meta = np.random.default_rng(7).integers(0, 255, 3 * _SMALL, np.uint8).tobytes()
+    big, small = _payload(MiB, 8), _payload(100, 9)
 
     def send() -> None:
         sender.send(Op.EXISTS, meta)
+        sender.send(Op.GET, b"big", [big], big.nbytes)
         sender.send(Op.GET, b"next", [small], small.nbytes)
-        sender._flush_owned()
 
     t = _Sender(send)
     op, meta_len, body_len = receiver.recv_header()
     assert (op, meta_len, body_len) == (Op.EXISTS, len(meta), 0)
     assert receiver.recv_bytes(meta_len) == meta
-    op, meta_len, body_len = receiver.recv_header()
-    assert (op, receiver.recv_bytes(meta_len), body_len) == (Op.GET, b"next", 100)
-    out = np.zeros(100, np.uint8)
-    receiver.recv_into(memoryview(out))
-    assert np.array_equal(out, small)
+    for payload, name in ((big, b"big"), (small, b"next")):
+        op, meta_len, body_len = receiver.recv_header()
+        assert (op, receiver.recv_bytes(meta_len), body_len) == (Op.GET, name, payload.nbytes)
+        out = np.zeros(payload.nbytes, np.uint8)
+        receiver.recv_into(memoryview(out))
+        assert np.array_equal(out, payload)
     t.join(20)
     assert not t.errors
 
 
-@pytest.mark.parametrize("claim", [0, 1 << 30])
-def test_a_control_message_with_a_false_length_is_refused(
-    ucx_pair: tuple[UcxFrames, UcxFrames], claim: int
+def test_socket_bytes_while_a_payload_is_due_break_the_connection(
+    ucx_pair: tuple[UcxFrames, UcxFrames],
 ) -> None:
-    """A peer that claims an empty or a huge control message: a protocol error, and the
-    connection is done."""
+    """A peer that announces a UCX body and then sends the next frame on the socket
+    instead: a protocol error, never those bytes taken for the payload."""
     sender, receiver = ucx_pair
-    t = _Sender(
-        lambda: (sender._send([(sender._ctl, _LEN.pack(claim))], True), sender._flush_owned())
-    )
+    sender.fs.send(Op.GET, b"", (), MiB)  # a header whose body never comes over UCX
+    sender.fs.send(Op.EXISTS, b"x" * 10)
+    _, meta_len, _ = receiver.recv_header()
+    receiver.recv_bytes(meta_len)
+    out = np.zeros(MiB, np.uint8)
+    with pytest.raises(ProtocolError):
+        receiver.recv_into(memoryview(out))
+    assert receiver.broken
+    assert not out.any()
+
+
+def test_a_payload_past_the_end_of_a_body_is_refused(
+    ucx_pair: tuple[UcxFrames, UcxFrames],
+) -> None:
+    """More payload bytes over UCX than the header announced: the next header is a
+    protocol error, not a frame read out of step."""
+    sender, receiver = ucx_pair
+    extra = _payload(MiB, 3)
+
+    def send() -> None:
+        sender._send_ucx = True
+        sender.fs.send(Op.GET, b"", (), MiB - 10)
+        sender.send_more([extra])
+        sender.fs.send(Op.EXISTS, b"")
+
+    t = _Sender(send)
+    receiver.recv_header()
+    out = np.zeros(MiB - 10, np.uint8)
+    receiver.recv_into(memoryview(out))
+    assert np.array_equal(out, extra[: MiB - 10])
     with pytest.raises(ProtocolError):
         receiver.recv_header()
     assert receiver.broken
     t.join(20)
 
 
-def test_a_control_message_past_the_buffer_is_an_error_not_a_frame(
+def test_a_payload_under_another_tag_is_never_taken(
     ucx_pair: tuple[UcxFrames, UcxFrames],
 ) -> None:
-    """More bytes under the control tag than the control buffer holds, with no
-    overflow: UCX truncates the receive, which fails the connection."""
+    """A message under a tag other than the connection's (a stranger that reached the
+    worker but was never told the tag) is not read as a payload: the receive times out
+    with the view untouched."""
     sender, receiver = ucx_pair
-    blob = _LEN.pack(2 * _CTL_CAP) + bytes(2 * _CTL_CAP)
-    t = _Sender(lambda: (sender._send([(sender._ctl, blob)], True), sender._flush_owned()))
-    receiver.set_timeout(5)
-    with pytest.raises(KVStoreError):
-        receiver.recv_header()
-    assert receiver.broken
+    sender._data = type(sender._data)((sender.tag & ~3) ^ (1 << 40) | 1)
+    stranger = _payload(MiB, 4)
+    t = _Sender(lambda: sender.send(Op.GET, b"", [stranger], MiB, wait=False))
+    receiver.set_timeout(0.5)
+    receiver.recv_header()
+    out = np.zeros(MiB, np.uint8)
+    with pytest.raises(TimeoutError_):
+        receiver.recv_into(memoryview(out))
+    assert not out.any()
     t.join(20)

@@ -9,8 +9,8 @@ replies alternate; a request-level failure comes back as an ERROR frame holding 
 stable error code and is raised as that exact class, with the connection still usable.
 
 Asked for UCX (``ucx=True``), HELLO also carries this connection's UCX worker address;
-when INFO answers with the server's, the frames move to UCX (kvstore/wire/ucx.py) and
-everything above them stays the same.
+when INFO answers with the server's, large payloads move to UCX (kvstore/wire/ucx.py)
+and everything above them stays the same.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ class DataConn:
                         f"{UCX_WIRE}: upgrade the older of the two"
                     )
                 link.connect(info.ucx_address)
-                moved = UcxFrames(link, info.ucx_tag, fs.sock, max_meta=max_meta)
+                moved = UcxFrames(link, info.ucx_tag, fs)
                 return cls(moved, info)
         except BaseException:
             if link is not None:
