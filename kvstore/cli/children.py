@@ -9,9 +9,8 @@ SIGKILL after a grace period.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
+import os
 import select
 import signal
 import subprocess
@@ -26,12 +25,31 @@ from kvstore.errors import Unavailable
 
 __all__ = ["Child", "ReadyChild", "serve_argv", "spawn", "stop_group", "wait_ready"]
 
-_PR_SET_PDEATHSIG = 1
+# Linux: each child first runs this guard, which asks the kernel for SIGTERM when its
+# parent dies (PR_SET_PDEATHSIG, 1; it survives exec), leaves at once if the parent is
+# already gone, then execs the real program under the same PID.
+#
+# Why not a preexec_fn that does the same between fork and exec: a preexec_fn makes
+# subprocess fork() rather than vfork(), and fork() runs gRPC's fork handlers in the
+# child. With gRPC busy in the parent (a store client, an etcd watch), those restart
+# gRPC's poller thread in the child, subprocess then closes the child's descriptors,
+# the poller's epoll descriptor among them, and the poller aborts the child before its
+# exec ("epoll_wait error: Bad file descriptor"; seen once in the soak test, and
+# grpc/grpc issue 43055). vfork() runs no fork handlers.
+_GUARD = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None).prctl(1, signal.SIGTERM)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit('kvstore: the parent exited before this child started')\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def _guarded(argv: Sequence[str]) -> list[str]:
+    """``argv`` behind the guard above (Linux), as is elsewhere."""
+    if sys.platform != "linux":
+        return list(argv)
+    return [sys.executable, "-I", "-S", "-c", _GUARD, str(os.getpid()), *argv]
 
 
 class ReadyChild(Protocol):
@@ -85,13 +103,12 @@ def spawn(name: str, argv: Sequence[str], *, log: Path, env: Mapping[str, str]) 
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as fh:
         proc = subprocess.Popen(
-            list(argv),
+            _guarded(argv),
             stdout=subprocess.PIPE,
             stderr=fh,
             env={**env, "PYTHONUNBUFFERED": "1"},
             text=True,
             start_new_session=True,  # Ctrl-C reaches only us: we stop them in order
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )
     return Child(name, proc, log)
 
