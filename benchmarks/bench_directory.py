@@ -47,7 +47,7 @@ from kvstore.directory import NodeInfo
 from kvstore.directory.etcd import EtcdDirectory, block_key
 from kvstore.directory.etcd_process import EtcdProcess
 from kvstore.events import BlockStored
-from kvstore.tiering import TierKind
+from kvstore.tier_kinds import TierKind
 
 ROOT = Path(__file__).resolve().parents[1]
 DRAM = TierKind.DRAM

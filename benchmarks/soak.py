@@ -73,11 +73,11 @@ from benchmarks.soak_report import (  # noqa: E402
     table,
 )
 from kvstore import StoreClient  # noqa: E402
-from kvstore.cli.children import Child, spawn, stop_group, wait_ready  # noqa: E402
 from kvstore.client.cluster import ClusterClient  # noqa: E402
 from kvstore.config import child_env, parse_size  # noqa: E402
 from kvstore.directory.etcd_process import EtcdProcess  # noqa: E402
 from kvstore.errors import KVStoreError  # noqa: E402
+from kvstore.procs.children import Child, spawn, stop_group, wait_ready  # noqa: E402
 from kvstore.shm.index import index_name  # noqa: E402
 
 CAPACITY_SHARE = 0.5  # the prompts all clients remember fill this much of the cluster

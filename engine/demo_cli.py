@@ -7,8 +7,8 @@ import json
 import sys
 from typing import Any
 
-from kvstore.cli.fmt import fmt_bytes, fmt_seconds
 from kvstore.config import parse_size
+from kvstore.observe.fmt import fmt_bytes, fmt_seconds
 
 __all__ = ["add_parser"]
 

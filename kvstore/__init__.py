@@ -9,7 +9,7 @@ from kvstore.client import AsyncStoreClient, StoreClient
 from kvstore.errors import KVStoreError
 from kvstore.keys import BlockKey, Namespace, prefix_keys
 from kvstore.node.store import StoreNode
-from kvstore.tiering import TierKind
+from kvstore.tier_kinds import TierKind
 
 __all__ = [
     "AsyncStoreClient",

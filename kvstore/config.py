@@ -26,7 +26,7 @@ __all__ = [
     "NodeConfig",
     "ServerConfig",
     "child_env",
-    "load_layered",
+    "resolve_config",
     "parse_size",
     "read_config_file",
 ]
@@ -134,7 +134,7 @@ class NodeConfig:
     @classmethod
     def load(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> NodeConfig:
         """Defaults, then ``KVSTORE_<FIELD>`` variables, then explicit overrides."""
-        return load_layered(cls, env=env, flags=overrides)
+        return resolve_config(cls, env=env, flags=overrides)
 
     def replace(self, **changes: Any) -> NodeConfig:
         """A copy with some fields changed (validated again)."""
@@ -507,7 +507,7 @@ class ClientConfig(EtcdAccess):
     @classmethod
     def load(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> ClientConfig:
         """Defaults, then ``KVSTORE_<FIELD>`` variables, then explicit overrides."""
-        return load_layered(cls, env=env, flags=overrides)
+        return resolve_config(cls, env=env, flags=overrides)
 
     @classmethod
     def resolve(
@@ -571,7 +571,7 @@ def _positive(obj: Any, *names: str) -> None:
             raise ConfigError(f"{name}: must be > 0, got {getattr(obj, name)}")
 
 
-def load_layered(
+def resolve_config(
     cls: Any,
     *,
     env: Mapping[str, str] | None = None,

@@ -12,7 +12,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
-from kvstore.tiering import TierKind
+from kvstore.tier_kinds import TierKind
 
 __all__ = ["BlockEvent", "BlockMoved", "BlockRemoved", "BlockStored", "EventQueue"]
 

@@ -1,7 +1,7 @@
 """Start a local serving pool as processes: workers beside store nodes, then a router.
 
 What ``kvstore up --prefill N --decode M --router`` runs on top of its store nodes
-(kvstore/cli/local_cluster.py). Each child is ``python -m kvstore.cli worker|router``
+(kvstore/procs/local_cluster.py). Each child is ``python -m kvstore.cli worker|router``
 and prints one JSON ready line; this object waits for every line, then for the router
 to see every worker in etcd, so that a caller handed the URL can send requests at
 once. It stops exactly what it started, by PID: the router first (no new requests),
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvstore.cli.children import Child, spawn, stop_group, wait_ready
 from kvstore.config import child_env
 from kvstore.errors import ConfigError, Unavailable
+from kvstore.procs.children import Child, spawn, stop_group, wait_ready
 
 __all__ = ["Child", "PoolSpec", "ServingPool", "WorkerSpec"]
 

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kvstore.config import ClusterConfig, EtcdAccess, EtcdAuth, load_layered
+from kvstore.config import ClusterConfig, EtcdAccess, EtcdAuth, resolve_config
 from kvstore.errors import ConfigError, DirectoryError, Unavailable
 
 __all__ = [
@@ -139,7 +139,7 @@ def _auth(auth: EtcdAuth | None) -> EtcdAuth:
     """``auth``, or the ``KVSTORE_ETCD_*`` settings when None."""
     if auth is not None:
         return auth
-    access: EtcdAccess = load_layered(EtcdAccess)
+    access: EtcdAccess = resolve_config(EtcdAccess)
     return access.etcd_auth
 
 
@@ -368,6 +368,6 @@ def resolve_directory(args: Any) -> Any:
     """Fill ``args.etcd`` / ``args.cluster`` from flags, then ``KVSTORE_ETCD`` /
     ``KVSTORE_CLUSTER``, then the defaults (kvstore/config.py reads the environment).
     The etcd credentials are checked here too, so a bad one fails at start."""
-    cfg = load_layered(ClusterConfig, flags={"etcd": args.etcd, "cluster": args.cluster})
+    cfg = resolve_config(ClusterConfig, flags={"etcd": args.etcd, "cluster": args.cluster})
     args.etcd, args.cluster = cfg.etcd, cfg.cluster
     return args

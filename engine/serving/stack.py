@@ -1,7 +1,7 @@
 """A whole serving stack on one machine, as child processes: what the demo and the
 router benchmark start.
 
-etcd and the store nodes come from kvstore/cli/local_cluster.py's :class:`LocalCluster`;
+etcd and the store nodes come from kvstore/procs/local_cluster.py's :class:`LocalCluster`;
 the workers and one router per policy from engine/serving/launch.py's
 :class:`ServingPool` (what ``kvstore up --prefill/--decode/--router`` runs too).
 Everything binds 127.0.0.1 on ports the children pick. Authentication is a fresh random
@@ -86,7 +86,7 @@ class ServingStack:
 
     def start(self, timeout: float = READY_S) -> ServingStack:
         """Start everything; returns when every router sees every worker."""
-        from kvstore.cli.local_cluster import LocalCluster
+        from kvstore.procs.local_cluster import LocalCluster
 
         try:
             tokens = self.root / "tokens.toml"

@@ -22,12 +22,12 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from kvstore.cli.fmt import fmt_bytes
 from kvstore.cli.stats_view import count, render, summarize
 from kvstore.client import StoreClient
 from kvstore.client.admin import AdminClient
 from kvstore.config import ClientConfig, parse_size
 from kvstore.errors import ConfigError, InvalidValue, KVStoreError, PermissionDenied
+from kvstore.observe.fmt import fmt_bytes
 
 __all__ = ["add_parser", "connect", "parse_duration", "parse_target"]
 

@@ -1,6 +1,6 @@
 """``kvstore up``, ``kvstore nodes`` and ``kvstore ls``: run and read a cluster.
 
-``up`` runs a :class:`~kvstore.cli.local_cluster.LocalCluster` until Ctrl-C or SIGTERM.
+``up`` runs a :class:`~kvstore.procs.local_cluster.LocalCluster` until Ctrl-C or SIGTERM.
 ``nodes`` and ``ls`` read the directory the way a client does (one full listing into
 a mirror; no node is contacted), so they work while nodes are down and show exactly
 what clients would route by (``nodes`` says which are draining: clients write
@@ -32,11 +32,11 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from kvstore.cli.fmt import fmt_bytes
-from kvstore.config import ClusterConfig, EtcdAuth, load_layered
+from kvstore.config import ClusterConfig, EtcdAuth, resolve_config
 from kvstore.directory.base import NodeInfo, Replica
 from kvstore.directory.mirror import Mirror
 from kvstore.errors import AuthError, ConfigError, KVStoreError, PermissionDenied
+from kvstore.observe.fmt import fmt_bytes
 from kvstore.wire.codec import MAX_SCAN
 
 __all__ = ["add_parser"]
@@ -77,7 +77,7 @@ def _add_etcd_flags(p: argparse.ArgumentParser) -> None:
 def _cluster_config(args: argparse.Namespace, **flags: Any) -> ClusterConfig:
     """Flags, then ``KVSTORE_*``, then defaults: the directory and its credentials."""
     flags.update({name: getattr(args, name) for name in _ETCD_FLAGS})
-    cfg: ClusterConfig = load_layered(ClusterConfig, flags=flags)
+    cfg: ClusterConfig = resolve_config(ClusterConfig, flags=flags)
     return cfg
 
 
@@ -157,7 +157,7 @@ def add_parser(sub: Any) -> None:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from kvstore.cli.local_cluster import LocalCluster
+    from kvstore.procs.local_cluster import LocalCluster
 
     cfg = _cluster_config(args, cluster=args.cluster)
     stop = threading.Event()

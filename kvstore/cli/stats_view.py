@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvstore.cli.fmt import fmt_bytes
 from kvstore.observe.counters import PATHS
+from kvstore.observe.fmt import fmt_bytes
 from kvstore.observe.names import (
     DEMOTIONS,
     EVICTIONS,

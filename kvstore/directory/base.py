@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvstore.directory.records import MUTABLE_FIELDS, NodeInfo, Replica, check_name
 from kvstore.events import BlockEvent
-from kvstore.tiering import TierKind
+from kvstore.tier_kinds import TierKind
 
 if TYPE_CHECKING:
     from kvstore.directory.mirror import Mirror

@@ -65,7 +65,7 @@ from kvstore.errors import (
     TimeoutError_,
     Unavailable,
 )
-from kvstore.tiering import TierKind
+from kvstore.tier_kinds import TierKind
 
 __all__ = ["EtcdDirectory", "block_key", "cluster_prefix", "node_key", "translate"]
 

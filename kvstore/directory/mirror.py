@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.directory.records import NodeInfo, Replica
-from kvstore.tiering import TierKind
+from kvstore.tier_kinds import TierKind
 
 __all__ = ["DEL_BLOCK", "DEL_NODE", "PUT_BLOCK", "PUT_NODE", "Mirror", "MirrorSnapshot", "Op"]
 

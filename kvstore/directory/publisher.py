@@ -21,7 +21,7 @@ from typing import Protocol
 from kvstore.directory.base import BlockSnapshot, Directory
 from kvstore.errors import ConflictError, KVStoreError, NotFound
 from kvstore.events import BlockEvent, EventQueue
-from kvstore.tiering import TierKind
+from kvstore.tier_kinds import TierKind
 
 __all__ = ["EventSource", "Publisher"]
 

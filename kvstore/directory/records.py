@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvstore.errors import ConfigError, DirectoryError
-from kvstore.tiering import TierKind
+from kvstore.tier_kinds import TierKind
 
 __all__ = ["MUTABLE_FIELDS", "NodeInfo", "Replica", "check_name"]
 

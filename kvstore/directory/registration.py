@@ -48,7 +48,7 @@ from kvstore.errors import (
     NotFound,
 )
 from kvstore.events import BlockEvent, BlockMoved, BlockRemoved, BlockStored
-from kvstore.tiering import TierKind
+from kvstore.tier_kinds import TierKind
 
 __all__ = ["LeasedDirectory", "Value", "WriteOp"]
 

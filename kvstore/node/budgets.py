@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from kvstore.errors import QuotaExceeded
-from kvstore.tiering import TierKind
+from kvstore.tier_kinds import TierKind
 
 __all__ = ["Budget", "Ledger", "Usage"]
 

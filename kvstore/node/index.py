@@ -58,7 +58,7 @@ from kvstore.node.budgets import Budget, Ledger, Usage
 from kvstore.node.eviction import BlockFilter, EvictResult
 from kvstore.observe.counters import NodeCounters
 from kvstore.shm.index import IndexWriter
-from kvstore.tiering import TierKind
+from kvstore.tier_kinds import TierKind
 from kvstore.tiers.base import NO_PLACE, Tier
 from kvstore.tiers.policy import EvictionPolicy, make_policy
 

@@ -27,7 +27,7 @@ from kvstore.errors import (
 from kvstore.node.eviction import BlockFilter, EvictResult
 from kvstore.node.index import BlockIndex, Entry
 from kvstore.observe.counters import NodeCounters
-from kvstore.tiering import TierKind
+from kvstore.tier_kinds import TierKind
 from kvstore.tiers.base import HostPayload, Payload, Tier
 
 __all__ = ["TierMover"]

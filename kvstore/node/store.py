@@ -40,7 +40,7 @@ from kvstore.node.index import BlockIndex, Entry
 from kvstore.node.mover import TierMover
 from kvstore.observe.counters import NodeCounters
 from kvstore.shm.index import IndexWriter
-from kvstore.tiering import TierKind
+from kvstore.tier_kinds import TierKind
 from kvstore.tiers.base import Payload, Tier
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.memory import MemoryTier

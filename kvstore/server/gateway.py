@@ -59,7 +59,7 @@ from kvstore.server.leases import Lease, LeaseKind, LeaseTable
 from kvstore.server.namespaces import NamespaceRegistry
 from kvstore.server.quotas import Quotas
 from kvstore.tenants import Principal
-from kvstore.tiering import TierKind
+from kvstore.tier_kinds import TierKind
 
 __all__ = ["Filled", "Gateway", "ReadBatch", "ReadItem", "WriteItem"]
 

@@ -46,7 +46,7 @@ from typing import Any
 
 from kvstore.errors import ConfigError
 from kvstore.events import BlockEvent, BlockMoved, BlockRemoved, BlockStored, EventQueue
-from kvstore.tiering import TierKind
+from kvstore.tier_kinds import TierKind
 
 __all__ = ["MEDIUM", "KVEventsPublisher", "encode_batch"]
 

@@ -23,7 +23,7 @@ from kvstore.keys import as_key
 from kvstore.node.eviction import BlockFilter, EvictResult
 from kvstore.server.gateway import Gateway
 from kvstore.tenants import Principal
-from kvstore.tiering import TierKind
+from kvstore.tier_kinds import TierKind
 from kvstore.wire.codec import MAX_SCAN
 
 __all__ = ["EvictSpec", "ExportedBlock", "ImportItem", "Maintenance", "ScanSpec"]

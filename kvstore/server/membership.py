@@ -39,7 +39,7 @@ from kvstore.directory.base import Directory, NodeInfo
 from kvstore.directory.publisher import Publisher
 from kvstore.errors import ConflictError, KVStoreError
 from kvstore.node.store import StoreNode
-from kvstore.tiering import TierKind
+from kvstore.tier_kinds import TierKind
 from kvstore.wire.locality import PROBE_TIMEOUT_S, host_id, hostname
 
 __all__ = ["Membership", "advertised_host", "join_address", "node_record"]

@@ -52,7 +52,7 @@ from kvstore.errors import ConfigError
 from kvstore.node.budgets import Budget
 from kvstore.server.auth import read_tokens_file
 from kvstore.tenants import DEFAULT_TENANT
-from kvstore.tiering import TierKind
+from kvstore.tier_kinds import TierKind
 
 __all__ = ["Quotas", "TenantQuota"]
 

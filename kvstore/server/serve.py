@@ -33,7 +33,7 @@ from typing import Any
 import grpc
 
 from kvstore._proto import store_pb2 as pb
-from kvstore.config import NodeConfig, ServerConfig, load_layered, read_config_file
+from kvstore.config import NodeConfig, ServerConfig, read_config_file, resolve_config
 from kvstore.errors import ConfigError
 from kvstore.node.store import StoreNode
 from kvstore.server.auth import TokenTable
@@ -45,7 +45,7 @@ from kvstore.server.namespaces import NamespaceRegistry
 from kvstore.server.quotas import Quotas
 from kvstore.server.service import StoreServicer, add_to_server
 from kvstore.tenants import Principal
-from kvstore.tiering import TierKind
+from kvstore.tier_kinds import TierKind
 from kvstore.wire.locality import host_id, hostname
 
 __all__ = ["StoreServer", "add_parser", "load_configs"]
@@ -369,8 +369,8 @@ def load_configs(
     server_flags = {
         k: args.get(k) for k in (*_SERVER_FLAGS, "allow_anonymous", "data_poll_crowded")
     }
-    node = load_layered(NodeConfig, env=env, file_values=file["node"], flags=node_flags)
-    server = load_layered(ServerConfig, env=env, file_values=file["server"], flags=server_flags)
+    node = resolve_config(NodeConfig, env=env, file_values=file["node"], flags=node_flags)
+    server = resolve_config(ServerConfig, env=env, file_values=file["server"], flags=server_flags)
     return node, server
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.blocks import BlockHeader, checksum, copy_payload, host_bytes
-from kvstore.tiering import TierKind
+from kvstore.tier_kinds import TierKind
 
 __all__ = ["NO_PLACE", "HostPayload", "Payload", "Tier", "TierKind"]  # TierKind: tiers' names
 

@@ -54,7 +54,7 @@ from kvstore.errors import (
     StorageError,
 )
 from kvstore.keys import as_key
-from kvstore.tiering import TierKind
+from kvstore.tier_kinds import TierKind
 from kvstore.tiers.base import NO_PLACE, Payload, Tier
 from kvstore.tiers.slab import _FLAGS, PAGE, _Extents, _Slab, extent_len
 

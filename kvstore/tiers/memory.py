@@ -30,7 +30,7 @@ import numpy as np
 from kvstore.blocks import HEADER_SIZE, BlockHeader, checksum, copy_payload, host_bytes
 from kvstore.errors import ClosedError, ConfigError
 from kvstore.shm.segment import SHM_DIR, hold_segment, map_segment, owned_name, sweep_stale
-from kvstore.tiering import TierKind
+from kvstore.tier_kinds import TierKind
 from kvstore.tiers.alloc import ExtentAllocator
 from kvstore.tiers.base import HostPayload, Payload, Tier
 

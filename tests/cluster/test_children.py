@@ -1,4 +1,4 @@
-"""kvstore/cli/children.py: the children of ``kvstore up`` and of the serving launcher.
+"""kvstore/procs/children.py: the children of ``kvstore up`` and of the serving launcher.
 Each runs under its own PID with the environment it was given, and dies with its parent
 (Linux: PR_SET_PDEATHSIG, set by a guard that execs the program)."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.cli.children import spawn, stop_group, wait_ready
+from kvstore.procs.children import spawn, stop_group, wait_ready
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.process
@@ -54,7 +54,7 @@ def test_a_child_dies_with_its_parent(tmp_path: Path) -> None:
     parent_code = (
         "import json, sys, time\n"
         "from pathlib import Path\n"
-        "from kvstore.cli.children import spawn, wait_ready\n"
+        "from kvstore.procs.children import spawn, wait_ready\n"
         f"c = spawn('c', [sys.executable, '-c', {_READY!r}], log=Path({str(tmp_path / 'c.log')!r}),"
         " env={})\n"
         "wait_ready([c], time.monotonic() + 30)\n"

@@ -34,7 +34,7 @@ from kvstore.directory import NodeInfo
 from kvstore.directory.background import BackgroundDirectory
 from kvstore.directory.etcd_process import EtcdProcess, free_port
 from kvstore.events import BlockStored
-from kvstore.tiering import TierKind
+from kvstore.tier_kinds import TierKind
 from tests.support.server_process import ADMIN, ALPHA, ServerProcess, base_flags, principal_of
 
 pytest.importorskip("aetcd")

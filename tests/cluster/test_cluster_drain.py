@@ -19,7 +19,7 @@ from kvstore.cli import main
 from kvstore.client.admin import AdminClient
 from kvstore.client.cluster import ClusterClient
 from kvstore.directory.etcd_process import EtcdProcess
-from kvstore.tiering import TierKind
+from kvstore.tier_kinds import TierKind
 from tests.cluster.test_cluster import (
     Cluster,
     cli_json,

@@ -30,7 +30,7 @@ from kvstore.errors import (
 )
 from kvstore.events import BlockMoved, BlockRemoved, BlockStored
 from kvstore.node.store import StoreNode
-from kvstore.tiering import TierKind
+from kvstore.tier_kinds import TierKind
 
 TTL = 2
 DRAM, SSD, HBM = TierKind.DRAM, TierKind.SSD, TierKind.HBM

@@ -23,7 +23,7 @@ from kvstore.directory import Mirror, NodeInfo, Replica
 from kvstore.directory.etcd_process import EtcdProcess
 from kvstore.errors import ConflictError, DirectoryError, KVStoreError
 from kvstore.events import BlockRemoved, BlockStored
-from kvstore.tiering import TierKind
+from kvstore.tier_kinds import TierKind
 
 pytest.importorskip("aetcd")
 
@@ -39,7 +39,7 @@ import asyncio, sys
 from kvstore.directory import NodeInfo
 from kvstore.directory.etcd import EtcdDirectory
 from kvstore.events import BlockStored
-from kvstore.tiering import TierKind
+from kvstore.tier_kinds import TierKind
 
 async def main():
     d = EtcdDirectory(sys.argv[1], sys.argv[2])

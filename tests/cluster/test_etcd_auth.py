@@ -17,13 +17,13 @@ import pytest
 
 from kvstore import Namespace, StoreClient, prefix_keys
 from kvstore.cli import main
-from kvstore.config import ClientConfig, ClusterConfig, EtcdAuth, ServerConfig, load_layered
+from kvstore.config import ClientConfig, ClusterConfig, EtcdAuth, ServerConfig, resolve_config
 from kvstore.directory import NodeInfo
 from kvstore.directory.etcd_process import EtcdProcess, EtcdUser
 from kvstore.errors import AuthError, ConfigError, PermissionDenied, Unavailable
 from kvstore.events import BlockStored
 from kvstore.tenants import Principal
-from kvstore.tiering import TierKind
+from kvstore.tier_kinds import TierKind
 from tests.support.etcd_fixtures import LOCKED_CLUSTER, LockedEtcd, TlsEtcd, require_etcd
 from tests.support.server_process import (
     ADMIN,
@@ -118,13 +118,13 @@ def test_a_forgotten_token_is_renewed(tmp_path: Path) -> None:
 def test_etcd_settings_are_checked_at_load(tmp_path: Path) -> None:
     env = {"KVSTORE_ETCD_USER": "u"}
     with pytest.raises(ConfigError, match="etcd_user and etcd_password"):
-        load_layered(ClusterConfig, env=env)
+        resolve_config(ClusterConfig, env=env)
     with pytest.raises(ConfigError, match="etcd_cert and etcd_key"):
         ClientConfig(etcd_cert=__file__)
     with pytest.raises(ConfigError, match="etcd_ca: no such file"):
         ServerConfig(allow_anonymous=True, etcd_ca=str(tmp_path / "missing.pem"))
     env["KVSTORE_ETCD_PASSWORD"] = "p"
-    cfg = load_layered(ClusterConfig, env=env)
+    cfg = resolve_config(ClusterConfig, env=env)
     assert cfg.etcd_auth == EtcdAuth(user="u", password="p") and "'p'" not in repr(cfg)
     assert EtcdAuth().empty and not EtcdAuth(ca=__file__).empty and EtcdAuth(ca=__file__).tls
 
@@ -241,7 +241,7 @@ def test_admin_commands_read_the_locked_etcd_with_credentials(
 def test_kvstore_up_hands_etcd_credentials_to_its_nodes(
     etcd_locked: LockedEtcd, tmp_path: Path
 ) -> None:
-    from kvstore.cli.local_cluster import LocalCluster
+    from kvstore.procs.local_cluster import LocalCluster
 
     with LocalCluster(
         1, etcd=etcd_locked.endpoint, cluster=LOCKED_CLUSTER, allow_anonymous=True,

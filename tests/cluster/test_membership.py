@@ -18,14 +18,14 @@ from typing import Any, TypeVar
 
 import pytest
 
-from kvstore.config import NodeConfig, ServerConfig, load_layered
+from kvstore.config import NodeConfig, ServerConfig, resolve_config
 from kvstore.directory import MemoryBackend, MemoryDirectory
 from kvstore.directory.etcd_process import free_port
 from kvstore.errors import ConfigError, ConflictError
 from kvstore.node.store import StoreNode
 from kvstore.server.membership import Membership, advertised_host, node_record
 from kvstore.server.serve import StoreServer
-from kvstore.tiering import TierKind
+from kvstore.tier_kinds import TierKind
 
 T = TypeVar("T")
 
@@ -131,7 +131,7 @@ def test_live_holder_is_refused_fast_and_dead_one_waited_out() -> None:
 def test_cluster_settings_are_validated(tmp_path: Path) -> None:
     assert server_config().etcd == "" and server_config().node_lease_ttl_s == 10.0
     env = {"KVSTORE_ETCD": "etcd:2379", "KVSTORE_CLUSTER": "prod", "KVSTORE_ALLOW_ANONYMOUS": "1"}
-    cfg = load_layered(ServerConfig, env=env)
+    cfg = resolve_config(ServerConfig, env=env)
     assert (cfg.etcd, cfg.cluster) == ("etcd:2379", "prod")
     for bad, msg in (
         ({"etcd": "no-port"}, "etcd"),

@@ -20,7 +20,7 @@ import pytest
 from kvstore import StoreClient
 from kvstore.client.cluster import ClusterClient
 from kvstore.directory.etcd_process import EtcdProcess
-from kvstore.tiering import TierKind
+from kvstore.tier_kinds import TierKind
 from tests.support.server_process import ALPHA, ServerProcess, base_flags, principal_of
 from tests.support.waiting import wait_until
 

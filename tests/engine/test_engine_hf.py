@@ -16,7 +16,7 @@ import torch
 from engine.hf import HFKVAdapter
 from engine.workers import DecodeWorker, PrefillWorker
 from kvstore.node.store import StoreNode
-from kvstore.tiering import TierKind
+from kvstore.tier_kinds import TierKind
 from tests.support.faults import flip_stored_bytes
 from tests.support.models import reference_tokens, tiny_llama
 

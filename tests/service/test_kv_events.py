@@ -17,7 +17,7 @@ import pytest
 from kvstore.events import BlockMoved, BlockRemoved, BlockStored, EventQueue
 from kvstore.server.kv_events import KVEventsPublisher
 from kvstore.tenants import Principal
-from kvstore.tiering import TierKind
+from kvstore.tier_kinds import TierKind
 from tests.support.kv_events import Subscriber, replay
 from tests.support.server_fixtures import ServerFactory
 from tests.support.server_process import ALPHA

@@ -29,7 +29,7 @@ from kvstore.keys import Namespace
 from kvstore.node.store import StoreNode
 from kvstore.observe.counters import LATENCY_BUCKETS, NodeCounters, split_key
 from kvstore.observe.prometheus import MetricsServer, node_registry
-from kvstore.tiering import TierKind
+from kvstore.tier_kinds import TierKind
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 BLOCK = 65536  # header + payload, a multiple of the 256-byte extent alignment

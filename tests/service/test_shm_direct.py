@@ -18,7 +18,7 @@ from kvstore.observe.counters import NodeCounters
 from kvstore.shm.index import WAYS, IndexReader, IndexWriter, buckets_for
 from kvstore.shm.segment import map_segment
 from kvstore.tenants import Principal
-from kvstore.tiering import TierKind
+from kvstore.tier_kinds import TierKind
 from tests.support.server_process import ALPHA, BRAVO, ServerProcess
 
 KiB = 1024

@@ -397,7 +397,7 @@ def test_across_two_network_namespaces(tmp_path: Path) -> None:
     veth pair through a bridge: the server binds its data address, both ends tell UCX to
     use their veth device, and the client on the other host moves its connection to
     UCX over tcp, asked to (``ucx``) and by itself (``auto``)."""
-    from kvstore.cli.children import serve_argv, wait_ready
+    from kvstore.procs.children import serve_argv, wait_ready
     from tests.support.netns import Lab, unavailable
 
     reason = unavailable()

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from kvstore.cli import children
+from kvstore.procs import children
 from tests.support.server_process import ALPHA, ServerProcess, base_flags
 
 __all__ = ["Child", "ServingCluster"]
@@ -25,7 +25,7 @@ READY_S = 90.0
 
 
 class Child(children.Child):
-    """One child process (kvstore/cli/children.py), stoppable with any signal."""
+    """One child process (kvstore/procs/children.py), stoppable with any signal."""
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
         if self.proc.poll() is None:

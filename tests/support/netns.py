@@ -49,8 +49,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstore.cli.children import Child, serve_argv, spawn, stop_group, wait_ready
 from kvstore.directory.etcd_process import EtcdProcess, etcd_binary
+from kvstore.procs.children import Child, serve_argv, spawn, stop_group, wait_ready
 from kvstore.shm.index import index_name
 
 __all__ = [

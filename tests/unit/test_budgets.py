@@ -14,7 +14,7 @@ from kvstore.errors import QuotaExceeded
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.node.budgets import Budget
 from kvstore.node.store import StoreNode
-from kvstore.tiering import TierKind
+from kvstore.tier_kinds import TierKind
 
 LAYOUT = "fp32:L1:H1:D16:B16"
 A = Namespace("m", LAYOUT, "alpha")

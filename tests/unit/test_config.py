@@ -73,13 +73,13 @@ def test_env_is_read_only_in_config() -> None:
 
 
 def test_metrics_settings() -> None:
-    from kvstore.config import ServerConfig, load_layered
+    from kvstore.config import ServerConfig, resolve_config
 
     base = {"allow_anonymous": True}
-    assert load_layered(ServerConfig, env={}, flags=base).metrics_port == -1  # off by default
+    assert resolve_config(ServerConfig, env={}, flags=base).metrics_port == -1  # off by default
     env = {"KVSTORE_METRICS_PORT": "9400", "KVSTORE_METRICS_HOST": "0.0.0.0"}
-    c = load_layered(ServerConfig, env=env, flags=base)
+    c = resolve_config(ServerConfig, env=env, flags=base)
     assert (c.metrics_host, c.metrics_port) == ("0.0.0.0", 9400)
     for bad in ({"metrics_port": "-2"}, {"metrics_port": "7400"}, {"metrics_host": " "}):
         with pytest.raises(ConfigError, match="metrics_"):
-            load_layered(ServerConfig, env={}, flags={**base, **bad})
+            resolve_config(ServerConfig, env={}, flags={**base, **bad})

@@ -26,7 +26,7 @@ from kvstore.errors import (
     InvalidValue,
     NotFound,
 )
-from kvstore.tiering import TierKind
+from kvstore.tier_kinds import TierKind
 from kvstore.tiers import slab
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.slab import PAGE, extent_len

@@ -15,14 +15,14 @@ PACKAGE = ROOT / "kvstore"
 
 # Lower layers first; a module may import its own layer and the ones before it.
 LAYERS: list[set[str]] = [
-    {"errors", "layout", "keys", "blocks", "tiering", "events", "tenants", "config", "_proto"}
+    {"errors", "layout", "keys", "blocks", "tier_kinds", "events", "tenants", "config", "_proto"}
     | {"codec"},  # KV compression: torch-free sizes the layout imports, codecs behind a name
     {"faults"},
     {"observe", "shm"},
     {"tiers"},
     {"node", "wire"},
     {"directory"},
-    {"client", "server"},
+    {"client", "server", "procs"},
     {"cli"},
 ]
 RANK = {room: i for i, rooms in enumerate(LAYERS) for room in rooms}

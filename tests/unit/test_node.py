@@ -13,7 +13,7 @@ from kvstore.errors import BlockTooLarge, CapacityError, InvalidKey, LayoutMisma
 from kvstore.events import BlockMoved, BlockRemoved, BlockStored
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.node.store import StoreNode
-from kvstore.tiering import TierKind
+from kvstore.tier_kinds import TierKind
 from tests.support.faults import flip_stored_bytes
 
 NS = Namespace("tiny", "fp32:L2:H2:D16:B16", "t")

@@ -18,7 +18,7 @@ from kvstore.node.store import StoreNode
 from kvstore.server.gateway import Gateway, WriteItem
 from kvstore.server.quotas import Quotas
 from kvstore.tenants import Principal
-from kvstore.tiering import TierKind
+from kvstore.tier_kinds import TierKind
 
 TOKENS = """
 scope_secret = "0123456789abcdef0123456789abcdef"

@@ -15,7 +15,7 @@ import pytest
 from kvstore.blocks import describe
 from kvstore.errors import LayoutMismatch, ReservationError
 from kvstore.node.store import StoreNode
-from kvstore.tiering import TierKind
+from kvstore.tier_kinds import TierKind
 from kvstore.tiers.base import HostPayload
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -19,7 +19,7 @@ from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.node import index
 from kvstore.node.store import StoreNode
-from kvstore.tiering import TierKind
+from kvstore.tier_kinds import TierKind
 
 MIB = 1 << 20
 NS = Namespace("tiny", "fp32:L2:H2:D16:B16", "t")

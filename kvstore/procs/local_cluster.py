@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstore.cli.children import serve_argv, spawn, stop_group, wait_ready
-from kvstore.config import EtcdAuth, ServerConfig, child_env, load_layered
+from kvstore.config import EtcdAuth, ServerConfig, child_env, resolve_config
 from kvstore.directory.etcd_process import EtcdProcess
 from kvstore.errors import ConfigError
+from kvstore.procs.children import serve_argv, spawn, stop_group, wait_ready
 from kvstore.shm.index import index_name
 
 __all__ = ["LocalCluster", "NodeProcess"]
@@ -122,7 +122,7 @@ class LocalCluster:
             return {"tokens_file": tokens_file}, child_env({})
         if anonymous:
             return {"allow_anonymous": True}, child_env({})
-        if load_layered(ServerConfig, flags={"allow_anonymous": True}).auth_token:
+        if resolve_config(ServerConfig, flags={"allow_anonymous": True}).auth_token:
             return {}, child_env({})  # the children inherit it
         self.token = secrets.token_hex(16)
         return {}, child_env({"auth_token": self.token})
