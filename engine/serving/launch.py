@@ -23,7 +23,7 @@ from kvstore.config import child_env
 from kvstore.errors import ConfigError, Unavailable
 from kvstore.procs.children import Child, spawn, stop_group, wait_ready
 
-__all__ = ["Child", "PoolSpec", "ServingPool", "WorkerSpec"]
+__all__ = ["Child", "PoolSpec", "ServingPool", "WorkerSpec", "pool_for_cluster"]
 
 READY_TIMEOUT_S = 180.0  # loading SmolLM2 and timing its prefill on 2 busy cores
 STOP_GRACE_S = 10.0
@@ -194,3 +194,27 @@ class ServingPool:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def pool_for_cluster(args: Any, cluster: Any, etcd_auth: Any) -> ServingPool:
+    """The serving pool ``kvstore up --prefill/--decode/--both/--router`` starts beside a
+    :class:`~kvstore.procs.local_cluster.LocalCluster`: worker i on node i mod N, and the
+    router. The console script reaches it by module path (kvstore/cli/extensions.py)."""
+    node_ids = [n.node_id for n in cluster.nodes]
+    spec = PoolSpec(
+        PoolSpec.spread(node_ids, prefill=args.prefill, decode=args.decode, both=args.both),
+        model=args.model,
+        policies=(args.policy,) if args.router else (),
+        router_port=args.router_port,
+        host=args.host,
+    )
+    settings: dict[str, Any] = {"token": cluster.token} if cluster.token is not None else {}
+    settings.update(etcd_auth.settings())
+    return ServingPool(
+        spec,
+        etcd=cluster.etcd_endpoint,
+        cluster=cluster.cluster,
+        node_ids=node_ids,
+        root=cluster.root / "serving",
+        settings=settings,
+    )

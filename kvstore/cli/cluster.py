@@ -32,6 +32,7 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from kvstore.cli.extensions import load_attr
 from kvstore.config import ClusterConfig, EtcdAuth, resolve_config
 from kvstore.directory.base import NodeInfo, Replica
 from kvstore.directory.mirror import Mirror
@@ -197,27 +198,13 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 
 def _serving_pool(args: argparse.Namespace, cluster: Any, etcd_auth: EtcdAuth) -> Any:
-    """Workers beside the nodes (worker i on node i mod N) and the router, as processes."""
-    from engine.serving.launch import PoolSpec, ServingPool
-
-    node_ids = [n.node_id for n in cluster.nodes]
-    spec = PoolSpec(
-        PoolSpec.spread(node_ids, prefill=args.prefill, decode=args.decode, both=args.both),
-        model=args.model,
-        policies=(args.policy,) if args.router else (),
-        router_port=args.router_port,
-        host=args.host,
+    """Workers and a router beside the nodes: the engine's launcher, loaded by module path
+    (kvstore/cli/extensions.py) because the store never imports the engine."""
+    build = load_attr(
+        "engine.serving.launch:pool_for_cluster",
+        what="kvstore up --prefill/--decode/--both/--router",
     )
-    settings: dict[str, Any] = {"token": cluster.token} if cluster.token is not None else {}
-    settings.update(etcd_auth.settings())
-    return ServingPool(
-        spec,
-        etcd=cluster.etcd_endpoint,
-        cluster=cluster.cluster,
-        node_ids=node_ids,
-        root=cluster.root / "serving",
-        settings=settings,
-    )
+    return build(args, cluster, etcd_auth)
 
 
 def _watch(cluster: Any, stop: threading.Event) -> int:

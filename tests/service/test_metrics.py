@@ -403,7 +403,7 @@ def _check_serving_services(services: dict[str, Any], nodes: dict[str, Any]) -> 
     command parses with the real CLI; the router is published on loopback only."""
     from kvstore.cli.main import build_parser
 
-    parser = build_parser()
+    parser = build_parser(load_commands=("worker", "router"))
     roles = {}
     for name, svc in services.items():
         command = svc.get("command", [])
@@ -484,7 +484,7 @@ def _check_serving_deployments(by_kind: dict[str, dict[str, Any]]) -> None:
     and the client-token Secret, and the router's Service reaches its port."""
     from kvstore.cli.main import build_parser
 
-    parser = build_parser()
+    parser = build_parser(load_commands=("worker", "router"))
     config = by_kind["ConfigMap"]["kvstore-serving"]["data"]
     assert config["KVSTORE_ETCD"] == by_kind["ConfigMap"]["kvstore-config"]["data"]["KVSTORE_ETCD"]
     for name, dep in by_kind["Deployment"].items():

@@ -1,6 +1,7 @@
-"""The house's rules, read from the source with ast: client/ and server/ never import
-each other, no package imports a layer above it, and no modules import each other in a
-cycle (lazy imports inside functions count: they are dependencies all the same)."""
+"""The house's rules, read from the source with ast: kvstore never imports engine,
+client/ and server/ never import each other, no package imports a layer above it, and no
+modules import each other in a cycle (lazy imports inside functions count: they are
+dependencies all the same)."""
 
 from __future__ import annotations
 
@@ -43,18 +44,22 @@ def modules() -> dict[str, Path]:
     }
 
 
-def imports_of(path: Path, name: str) -> Iterator[str]:
-    """Every kvstore module ``path`` imports, at any depth of the file."""
+def _under(module: str, top: str) -> bool:
+    return module == top or module.startswith(top + ".")
+
+
+def imports_of(path: Path, name: str, top: str = "kvstore") -> Iterator[str]:
+    """Every module under package ``top`` that ``path`` imports, at any depth of the file."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            yield from (a.name for a in node.names if a.name.startswith("kvstore"))
+            yield from (a.name for a in node.names if _under(a.name, top))
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 up = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*up, base]) if base else ".".join(up)
-            if not base.startswith("kvstore"):
+            if not _under(base, top):
                 continue
             yield base
             for a in node.names:  # ``from kvstore.cli import admin`` names a module
@@ -72,6 +77,29 @@ def graph() -> dict[str, set[str]]:
 def room(module: str) -> str:
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else ""
+
+
+def test_kvstore_never_imports_engine() -> None:
+    """The store installs and serves alone; engine commands are named by module path."""
+    bad = [
+        f"{name} imports {m}"
+        for name, path in modules().items()
+        for m in imports_of(path, name, top="engine")
+    ]
+    assert not bad, "\n".join(sorted(bad))
+
+
+def test_every_extension_names_a_module_that_exists() -> None:
+    """The console script's string registry (kvstore/cli/extensions.py) stays true to the
+    tree without importing it."""
+    from kvstore.cli.extensions import EXTENSIONS
+
+    for ext in EXTENSIONS:
+        path = ROOT.joinpath(*ext.module.split("."))
+        assert path.with_suffix(".py").is_file() or (path / "__init__.py").is_file(), ext
+        tree = ast.parse(path.with_suffix(".py").read_text())
+        names = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+        assert "add_parser" in names, f"{ext.module} defines no add_parser"
 
 
 def test_client_and_server_never_import_each_other() -> None:
