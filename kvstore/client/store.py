@@ -384,7 +384,7 @@ class NodeClient(ClientBase):
         def attempt(deadline: float) -> T:
             link = pool.lend(deadline)
             try:
-                return fn(link[0], link[1], deadline)
+                return fn(link.conn, link.transport, deadline)
             finally:
                 pool.give_back(link)
 
