@@ -45,9 +45,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Self
 
 from kvstore.blocks import layer_range
+from kvstore.client.base import ClientBase, ClientState, one
 from kvstore.client.connector import Connector
 from kvstore.client.layered import LayeredPut
 from kvstore.client.members import NODE_FAILURES, Members
@@ -56,8 +57,8 @@ from kvstore.config import ClientConfig
 from kvstore.directory.background import BackgroundDirectory
 from kvstore.directory.base import Directory, NodeInfo
 from kvstore.directory.mirror import Mirror
-from kvstore.errors import ClosedError, InvalidValue, KVStoreError, TimeoutError_, Unavailable
-from kvstore.keys import KEY_BYTES, Namespace, as_key
+from kvstore.errors import InvalidValue, KVStoreError, TimeoutError_, Unavailable
+from kvstore.keys import Namespace
 from kvstore.observe.counters import NodeCounters
 from kvstore.wire.locality import hostname
 
@@ -71,12 +72,15 @@ RECENT_MAX = 1 << 16
 NodeCall = Callable[[NodeClient, list[int], float], list[Any]]
 
 
-class ClusterClient:
+class ClusterClient(ClientBase):
     """Blocking client of every node of one cluster. Thread-safe.
 
     Concurrency contract: ``_lock`` guards ``_state``, ``_recent`` and ``_pool``; no
     I/O happens under it. ``members`` and the mirror have their own locks.
     """
+
+    _name = "ClusterClient"
+    _open_with = "StoreClient.from_etcd(...) or 'with ClusterClient(...)'"
 
     def __init__(
         self,
@@ -91,6 +95,7 @@ class ClusterClient:
         connector: Connector | None = None,
         **overrides: Any,
     ) -> None:
+        super().__init__()
         self.config = ClientConfig.resolve(config, token, **overrides)
         self.endpoint, self.cluster = endpoint, cluster
         self.namespace = namespace
@@ -102,7 +107,6 @@ class ClusterClient:
         )
         self._mirror: Mirror | None = None
         self._members: Members | None = None
-        self._state = "unopened"
         self._lock = threading.Lock()
         self._recent: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
         self._hostname = hostname()
@@ -118,13 +122,11 @@ class ClusterClient:
 
     # -- lifecycle -----------------------------------------------------------------------
 
-    def open(self) -> ClusterClient:
+    def open(self) -> Self:
         """Load the directory (bounded by ``connect_timeout_s``) and open the node puts
         go to, which tells the client its tenant; a refused token fails here."""
-        if self._state == "open":
+        if self._already_open():
             return self
-        if self._state == "closed":
-            raise ClosedError("ClusterClient is closed; create a new one to reconnect")
         self._mirror = self._bg.start()
         # Node clients fail fast: the cluster's answer to a dead node is another node.
         node_config = dataclasses.replace(
@@ -138,7 +140,7 @@ class ClusterClient:
             node_id=self.node_id,
             connector=self.connector,
         )
-        self._state = "open"
+        self._state = ClientState.OPEN
         try:
             self._members.principal()
         except Unavailable as exc:
@@ -151,24 +153,13 @@ class ClusterClient:
     def close(self) -> None:
         """Close every node client and stop the directory watch; idempotent."""
         with self._lock:
-            self._state = "closed"
+            self._state = ClientState.CLOSED
             pool, self._pool = self._pool, None
         if self._members is not None:
             self._members.close()
         if pool is not None:
             pool.shutdown(wait=False)
         self._bg.close()
-
-    def __enter__(self) -> ClusterClient:
-        return self.open()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    @property
-    def state(self) -> str:
-        """``unopened``, ``open`` or ``closed``."""
-        return self._state
 
     @property
     def mirror(self) -> Mirror:
@@ -192,11 +183,11 @@ class ClusterClient:
 
     def put(self, key: bytes, value: Any, *, timeout: float | None = None) -> bool:
         """Store one block on this client's write node; False if it had it already."""
-        return bool(_one(self.batch_put([key], [value], timeout=timeout)))
+        return bool(one(self.batch_put([key], [value], timeout=timeout)))
 
     def get(self, key: bytes, *, timeout: float | None = None) -> Any:
         """A new value from the nearest replica that has it, or None."""
-        return _one(self.batch_get([key], timeout=timeout))
+        return one(self.batch_get([key], timeout=timeout))
 
     def get_into(
         self,
@@ -208,7 +199,7 @@ class ClusterClient:
     ) -> bool:
         """Copy a block (or layers [a, b) of it) from the nearest replica into ``out``;
         False on a miss."""
-        return bool(_one(self.batch_get_into([key], [out], timeout=timeout, layers=layers)))
+        return bool(one(self.batch_get_into([key], [out], timeout=timeout, layers=layers)))
 
     def batch_put(
         self, keys: Sequence[bytes], values: Sequence[Any], *, timeout: float | None = None
@@ -452,20 +443,10 @@ class ClusterClient:
 
     # -- machinery ---------------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._state == "unopened":
-            raise ClosedError(
-                "ClusterClient is not open: use StoreClient.from_etcd(...) or 'with ClusterClient"
-                "(...)'"
-            )
-        if self._state == "closed":
-            raise ClosedError("ClusterClient is closed")
-
     def _keys(self, keys: Sequence[bytes]) -> tuple[list[bytes], list[bytes]]:
         """The keys as 16-byte keys, and as the directory knows them (tenant-scoped).
         Unavailable when no node can be reached to learn the tenant from."""
-        self._check_open()
-        ks = [k if type(k) is bytes and len(k) == KEY_BYTES else as_key(k) for k in keys]
+        ks = self._as_keys(keys)
         principal = self.members.principal()
         if principal is None:
             raise Unavailable(f"no node of cluster {self.cluster!r} can be reached")
@@ -477,9 +458,6 @@ class ClusterClient:
             self._recent.move_to_end(scoped)
             if len(self._recent) > RECENT_MAX:
                 self._recent.popitem(last=False)
-
-    def _deadline(self, timeout: float | None) -> float:
-        return time.monotonic() + (self.config.timeout_s if timeout is None else timeout)
 
     def _executor(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -501,10 +479,3 @@ def _share(deadline: float, tries: int) -> float:
     """One attempt's time: what is left until ``deadline`` split evenly among the
     ``tries`` attempts still possible (this one included)."""
     return _left(deadline) / max(tries, 1)
-
-
-def _one(results: list[Any]) -> Any:
-    r = results[0]
-    if isinstance(r, KVStoreError):
-        raise r
-    return r

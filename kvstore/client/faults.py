@@ -89,11 +89,11 @@ class FaultyLinks(Links):
         if wrapped is None or wrapped.inner is not transport:
             wrapped = FaultyTransport(transport, self.plan, self.where)
             self._wrapped[id(transport)] = wrapped
-        return conn, wrapped
+        return Link(conn, wrapped)
 
     def give_back(self, link: Link) -> None:
         conn, t = link
-        self.inner.give_back((conn, t.inner if isinstance(t, FaultyTransport) else t))
+        self.inner.give_back(Link(conn, t.inner if isinstance(t, FaultyTransport) else t))
 
     def settle(self, deadline: float) -> None:
         self.inner.settle(deadline)

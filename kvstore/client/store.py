@@ -12,9 +12,10 @@ which carries no gets or puts; gets, puts and the hot metadata calls (exists,
 match_prefix) use a pooled data socket, the one data plane, whose transport is shared
 memory when the server is on this host and TCP otherwise.
 
-Lifecycle: a client is unopened, open or closed. ``StoreClient.connect(...)`` returns an
-open client; ``with StoreClient(...) as c`` opens on entry and closes on exit. Any call
-on an unopened or closed client raises ClosedError saying which.
+Lifecycle (kvstore/client/base.py): a client is unopened, open or closed.
+``StoreClient.connect(...)`` returns an open client; ``with StoreClient(...) as c`` opens
+on entry and closes on exit. Any call on an unopened or closed client raises
+ClosedError saying which.
 
 Errors: only the kvstore error tree (kvstore/errors.py). A failure whose ``retryable`` is
 true (server unreachable, connection reset, deadline of one attempt, no capacity) is
@@ -34,13 +35,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from enum import Enum
 from typing import Any, Self, TypeVar
 
 from google.protobuf.json_format import MessageToDict
 
 from kvstore._proto import store_pb2 as pb
 from kvstore.blocks import layer_range
+from kvstore.client.base import ClientBase, ClientState, one
 from kvstore.client.connector import Connector, SocketConnector
 from kvstore.client.control import Control
 from kvstore.client.faults import FaultyConnector
@@ -49,14 +50,13 @@ from kvstore.client.transport.base import LayerSink, Link, Links, Transport
 from kvstore.config import ClientConfig
 from kvstore.errors import (
     BlockTooLarge,
-    ClosedError,
     ConfigError,
     InvalidValue,
     KVStoreError,
     LimitExceeded,
 )
 from kvstore.faults import FaultPlan
-from kvstore.keys import KEY_BYTES, Namespace, as_key
+from kvstore.keys import Namespace
 from kvstore.observe.counters import NodeCounters
 from kvstore.wire.codec import scope_of, stats_from_proto
 
@@ -65,12 +65,6 @@ __all__ = ["AsyncNodeClient", "NodeClient"]
 T = TypeVar("T")
 DataCall = Callable[[Any, Transport[Any], float], T]  # (connection, transport, deadline)
 DEFAULT_PORT = 7400
-
-
-class _State(Enum):
-    UNOPENED = "unopened"
-    OPEN = "open"
-    CLOSED = "closed"
 
 
 def _split_address(address: str) -> tuple[str, int]:
@@ -99,15 +93,11 @@ def _pick(seq: Sequence[Any], idx: list[int]) -> Sequence[Any]:
     return seq if len(idx) == len(seq) else [seq[i] for i in idx]
 
 
-def _one(results: list[Any]) -> Any:
-    r = results[0]
-    if isinstance(r, KVStoreError):
-        raise r
-    return r
-
-
-class NodeClient:
+class NodeClient(ClientBase):
     """Blocking client of one store server. Thread-safe."""
+
+    _name = "StoreClient"
+    _open_with = "StoreClient.connect(...) or 'with StoreClient(...)'"
 
     def __init__(
         self,
@@ -119,6 +109,7 @@ class NodeClient:
         connector: Connector | None = None,
         **overrides: Any,
     ) -> None:
+        super().__init__()
         self.config = ClientConfig.resolve(config, token, **overrides)
         connector = connector if connector is not None else SocketConnector()
         if self.config.faults:  # a fault drill: the plan is this client's own
@@ -129,7 +120,6 @@ class NodeClient:
         self.namespace = namespace
         self._scope = scope_of(namespace)
         self.counters = NodeCounters()  # retries, corrupt_transfers, shm_lease_expired
-        self._state = _State.UNOPENED
         self._lock = threading.Lock()
         self._control: Control | None = None
         self._pool: Links | None = None
@@ -149,10 +139,8 @@ class NodeClient:
         an AuthError at once. Opening an open client does nothing.
         """
         with self._lock:
-            if self._state is _State.OPEN:
+            if self._already_open():
                 return self
-            if self._state is _State.CLOSED:
-                raise ClosedError("StoreClient is closed; create a new one to reconnect")
             control = self.connector.control(self.host, self.port, self.config)
             try:
                 deadline = time.monotonic() + self.config.connect_timeout_s
@@ -168,7 +156,7 @@ class NodeClient:
                 control.close()
                 raise
             self._control = control
-            self._state = _State.OPEN
+            self._state = ClientState.OPEN
         return self
 
     def close(self) -> None:
@@ -179,18 +167,7 @@ class NodeClient:
             if self._control is not None:
                 self._control.close()
             self._pool = self._control = None
-            self._state = _State.CLOSED
-
-    def __enter__(self) -> Self:
-        return self.open()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    @property
-    def state(self) -> str:
-        """``unopened``, ``open`` or ``closed``."""
-        return self._state.value
+            self._state = ClientState.CLOSED
 
     @property
     def server_info(self) -> dict[str, Any]:
@@ -225,13 +202,13 @@ class NodeClient:
         timeout: float | None = None,
     ) -> bool:
         """Store one block (torch tensor, numpy array or bytes); False if already stored."""
-        return bool(_one(self.batch_put([key], [value], namespace=namespace, timeout=timeout)))
+        return bool(one(self.batch_put([key], [value], namespace=namespace, timeout=timeout)))
 
     def get(
         self, key: bytes, *, namespace: Namespace | None = None, timeout: float | None = None
     ) -> Any:
         """A new value of the stored kind, or None on a miss."""
-        return _one(self.batch_get([key], namespace=namespace, timeout=timeout))
+        return one(self.batch_get([key], namespace=namespace, timeout=timeout))
 
     def get_into(
         self,
@@ -248,7 +225,7 @@ class NodeClient:
         False on a miss (``out`` may then hold partial bytes). No intermediate copy.
         """
         res = self.batch_get_into([key], [out], namespace=namespace, timeout=timeout, layers=layers)
-        return bool(_one(res))
+        return bool(one(res))
 
     def batch_put(
         self,
@@ -389,24 +366,12 @@ class NodeClient:
 
     # -- machinery ----------------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._state is _State.UNOPENED:
-            raise ClosedError(
-                "StoreClient is not open: use StoreClient.connect(...) or 'with StoreClient(...)'"
-            )
-        if self._state is _State.CLOSED:
-            raise ClosedError("StoreClient is closed")
-
     def _keys(self, keys: Sequence[bytes]) -> list[bytes]:
-        self._check_open()
-        ks = [k if type(k) is bytes and len(k) == KEY_BYTES else as_key(k) for k in keys]
+        ks = self._as_keys(keys)
         limit = self._info.limits.max_batch
         if limit and len(ks) > limit:
             raise LimitExceeded(f"{len(ks)} keys in one call; the server's max_batch is {limit}")
         return ks
-
-    def _deadline(self, timeout: float | None) -> float:
-        return time.monotonic() + (self.config.timeout_s if timeout is None else timeout)
 
     def _data(self, fn: DataCall[T], timeout: float | None) -> T:
         return self._data_until(fn, self._deadline(timeout))
@@ -419,7 +384,7 @@ class NodeClient:
         def attempt(deadline: float) -> T:
             link = pool.lend(deadline)
             try:
-                return fn(link[0], link[1], deadline)
+                return fn(link.conn, link.transport, deadline)
             finally:
                 pool.give_back(link)
 
@@ -511,7 +476,7 @@ class AsyncNodeClient:
 
     async def close(self) -> None:
         """See :meth:`StoreClient.close`; idempotent."""
-        if self.sync.state != _State.CLOSED.value:
+        if self.sync.state != ClientState.CLOSED.value:
             await self._run(self.sync.close, check=False)
         self._pool.shutdown(wait=False)
 

@@ -327,7 +327,7 @@ def test_a_payload_with_another_tag_is_never_stored(server_factory: ServerFactor
         fs = conn.fs
         assert isinstance(fs, UcxFrames)
         fs.set_timeout(5)
-        fs._data = type(fs._data)(((fs.tag & ~3) ^ (1 << 40)) | 1)  # as a stranger would
+        fs.payloads.tag = type(fs.payloads.tag)(((fs.tag & ~3) ^ (1 << 40)) | 1)  # a stranger's
         meta = pb.ValueMeta(dtype="uint8", shape=[MiB], kind=0, nbytes=MiB)
         req = pb.PutRequest(items=[pb.PutItem(key=_key("stranger"), meta=meta, checksum=1)])
         fs.send(Op.PUT, req.SerializeToString(), [np.ones(MiB, np.uint8)], MiB, wait=False)

@@ -107,7 +107,7 @@ def test_a_small_body_comes_on_the_socket(ucx_pair: tuple[UcxFrames, UcxFrames])
     parts = [_payload(10, 1), _payload(0, 2), _payload(100, 3)]
     _receive(ucx_pair, parts, [10, 0, 100])
     sender, _ = ucx_pair
-    assert not sender._lent and not sender._owned
+    assert not sender.payloads._lent and not sender.payloads._owned
     edge = [_payload(_SMALL - 8, 4), _payload(8, 5)]  # exactly the limit: still the socket
     _receive(ucx_pair, edge, [_SMALL // 2, _SMALL // 2])
     over = [_payload(_SMALL - 8, 6), _payload(9, 7)]  # one byte more: over UCX
@@ -231,7 +231,7 @@ def test_a_payload_under_another_tag_is_never_taken(
     worker but was never told the tag) is not read as a payload: the receive times out
     with the view untouched."""
     sender, receiver = ucx_pair
-    sender._data = type(sender._data)((sender.tag & ~3) ^ (1 << 40) | 1)
+    sender.payloads.tag = type(sender.payloads.tag)((sender.tag & ~3) ^ (1 << 40) | 1)
     stranger = _payload(MiB, 4)
     t = _Sender(lambda: sender.send(Op.GET, b"", [stranger], MiB, wait=False))
     receiver.set_timeout(0.5)

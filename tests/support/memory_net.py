@@ -405,10 +405,10 @@ class MemoryLinks(Links):
             session = MemorySession(self.net, self.address, self.config.token)
             self.opened += 1
             self.last_transport = self.transport.name
-        return session, self.transport
+        return Link(session, self.transport)
 
     def give_back(self, link: Link) -> None:
-        session = link[0]
+        session = link.conn
         with self._lock:
             if session.usable and not self._closed:
                 self._idle.append(session)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, NamedTuple, TypeVar
 
 from kvstore._proto import store_pb2 as pb
 from kvstore.blocks import ValueInfo
@@ -42,9 +42,6 @@ from kvstore.observe.counters import NodeCounters
 __all__ = ["LayerSink", "Link", "Links", "Transport"]
 
 C = TypeVar("C")
-
-Link = tuple[Any, "Transport[Any]"]
-"""A lent connection and the transport that speaks over it."""
 
 
 class Transport(ABC, Generic[C]):
@@ -101,6 +98,13 @@ class Transport(ABC, Generic[C]):
     @abstractmethod
     def match_prefix(self, conn: C, keys: Sequence[bytes], deadline: float) -> int:
         """How many leading keys are stored."""
+
+
+class Link(NamedTuple):
+    """A lent connection and the transport that speaks over it."""
+
+    conn: Any
+    transport: Transport[Any]
 
 
 class LayerSink(ABC):

@@ -98,25 +98,7 @@ class DataConn:
         authenticate; raises AuthError for a refused token. TLS applies to TCP only.
         With ``ucx`` the connection asks to move to UCX; :attr:`on_ucx` says whether it
         did (a server that declines leaves it on the socket)."""
-        left = max(deadline - time.monotonic(), 0.001)
-        where = target if isinstance(target, str) else f"{target[0]}:{target[1]}"
-        with socket_errors(f"data socket {where}"):
-            if isinstance(target, str):
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                try:
-                    sock.settimeout(left)
-                    sock.connect("\0" + target)
-                except BaseException:
-                    sock.close()
-                    raise
-            else:
-                sock = socket.create_connection(target, timeout=left)
-                try:
-                    if tls is not None:
-                        sock = tls.wrap_socket(sock, server_hostname=server_name or target[0])
-                except BaseException:
-                    sock.close()
-                    raise
+        sock = _socket_to(target, deadline, tls, server_name)
         fs = FrameSocket(sock, max_meta=max_meta)
         link: UcxWorker | None = None
         try:
@@ -324,6 +306,36 @@ class DataConn:
     def close(self) -> None:
         """Close the socket; the server ends this connection's leases."""
         self.fs.close()
+
+
+def _socket_to(
+    target: tuple[str, int] | str,
+    deadline: float,
+    tls: ssl.SSLContext | None,
+    server_name: str | None,
+) -> socket.socket:
+    """A connected socket to ``(host, port)`` (through TLS when given) or to an abstract
+    Unix socket name; the socket is closed again if any step fails."""
+    left = max(deadline - time.monotonic(), 0.001)
+    where = target if isinstance(target, str) else f"{target[0]}:{target[1]}"
+    with socket_errors(f"data socket {where}"):
+        if isinstance(target, str):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(left)
+                sock.connect("\0" + target)
+            except BaseException:
+                sock.close()
+                raise
+            return sock
+        sock = socket.create_connection(target, timeout=left)
+        try:
+            if tls is not None:
+                sock = tls.wrap_socket(sock, server_hostname=server_name or target[0])
+        except BaseException:
+            sock.close()
+            raise
+        return sock
 
 
 def _decode(fs: FrameSocket | UcxFrames, cls: type[M], meta: bytes) -> M:

@@ -139,7 +139,7 @@ class ConnPool(Links):
             self._cond.notify_all()  # the flusher waits on it too: wake every waiter
 
     def _give_back(self, link: Link, *, lent: bool = False) -> None:
-        conn = link[0]
+        conn = link.conn
         with self._lock:
             if lent:
                 self._unlend_locked()
@@ -175,7 +175,7 @@ class ConnPool(Links):
                 if not self._deferred:
                     self._cond.wait()
                     continue
-                owing = [link for link in self._idle if link[0].owes]
+                owing = [link for link in self._idle if link.conn.owes]
                 if not owing:
                     if self._lent:  # may come back owing: look again, without a wake-up
                         self._cond.wait(delay)
@@ -183,9 +183,9 @@ class ConnPool(Links):
                         self._deferred = False  # set again by the next return owing
                     continue
                 now = time.monotonic()
-                due = [link for link in owing if now - link[0].idle_since >= delay]
+                due = [link for link in owing if now - link.conn.idle_since >= delay]
                 if not due:
-                    oldest = min(link[0].idle_since for link in owing)
+                    oldest = min(link.conn.idle_since for link in owing)
                     self._cond.wait(max(oldest + delay - now, 0.0005))
                     continue
                 taken = {id(link) for link in due}
@@ -193,10 +193,10 @@ class ConnPool(Links):
             for link in due:
                 # a broken connection is closed by _give_back, which ends its leases
                 with contextlib.suppress(KVStoreError):
-                    link[0].flush_releases()
+                    link.conn.flush_releases()
                 self._give_back(link)
 
-    def _open(self, deadline: float) -> tuple[DataConn, SocketTransport]:
+    def _open(self, deadline: float) -> Link:
         with self._lock:
             server = self._server
         if server is None:
@@ -215,7 +215,7 @@ class ConnPool(Links):
             conn.close()
             raise
         self.last_transport = transport.name
-        return conn, transport
+        return Link(conn, transport)
 
     def _connect(self, server: pb.InfoResponse, deadline: float) -> DataConn:
         """A new data connection, polling for replies as the config says (never for a
@@ -326,12 +326,12 @@ class ConnPool(Links):
         on its idle connections (one round trip each that owes), so a stats call
         right after reads sees them."""
         with self._lock:
-            owing = [link for link in self._idle if link[0].owes]
+            owing = [link for link in self._idle if link.conn.owes]
             taken = {id(link) for link in owing}
             self._idle = [link for link in self._idle if id(link) not in taken]
         for link in owing:
             with contextlib.suppress(KVStoreError):
-                link[0].call(Op.EXISTS, pb.KeysRequest(), pb.ExistsResponse, deadline)
+                link.conn.call(Op.EXISTS, pb.KeysRequest(), pb.ExistsResponse, deadline)
             self._give_back(link)
 
     def prefaulted(self, timeout: float | None) -> bool:

@@ -48,7 +48,7 @@ import logging
 import mmap
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -82,6 +82,33 @@ from kvstore.wire.frames import Op
 __all__ = ["Segment", "ShmTransport"]
 
 log = logging.getLogger(__name__)
+
+
+class Placed(NamedTuple):
+    """An item of a write round and the extent it is copied into: a credit's
+    (``credited``: its COMMIT names the block) or one a RESERVE granted."""
+
+    item: Outgoing
+    lease_id: int
+    offset: int
+    credited: bool
+
+
+class WritePlan(NamedTuple):
+    """A write round once placed: the items with an extent, those refused for lack of
+    room (tried again in a later round), and the credits its last COMMIT asks for."""
+
+    placed: list[Placed]
+    refused: list[Outgoing]
+    want: list[int]
+
+
+class RoundOutcome(NamedTuple):
+    """What a write round did: how many items it wrote (copied and committed, whatever
+    their outcome) and the items to write again."""
+
+    written: int
+    again: list[Outgoing]
 
 
 class Segment:
@@ -324,75 +351,97 @@ class ShmTransport(SocketTransport):
         scope: pb.Scope,
         deadline: float,
         results: list[Any],
-    ) -> tuple[int, list[Outgoing]]:
-        """Copy and COMMIT ``items`` one by one, each into a credit this connection holds
-        (credits.py) or, for those without one, into an extent one RESERVE asks for
-        first; returns (items written, items to write again: refused for lack of room,
-        or whose credit ran out before its COMMIT). Every other item's outcome is in
-        ``results``.
+    ) -> RoundOutcome:
+        """Copy and COMMIT ``items`` one by one, each into the extent :meth:`_place`
+        found for it; every item's outcome that is final is in ``results``.
 
         Each COMMIT goes out as soon as its item is copied and its reply is read at the
         end: the server checks and seals item i on its CPU while this one copies item
         i + 1. A round whose items all have credits costs the copies and one round
         trip; the last COMMIT (or the RESERVE) asks for as many credits as the round has
         items, so the next round of the same sizes has them."""
-        lend = self.credits and conn.info.put_credits
         skey = scope.SerializeToString()
-        work: list[tuple[Outgoing, int, int, bool]] = []  # (item, lease, offset, credited)
+        plan = self._place(conn, items, scope, skey, deadline, results)
+        work, want = plan.placed, plan.want
+        if not work:
+            return RoundOutcome(0, plan.refused)
+        sent = 0
+        try:
+            for j, placed in enumerate(work):
+                last = j == len(work) - 1
+                commit = self._copy_in(placed, scope, want if last else [])
+                conn.send_only(Op.COMMIT, commit, deadline)
+                sent += 1
+        finally:
+            self._commit_replies(conn, work, sent, deadline, results, skey, want)
+        lapsed = [
+            p.item
+            for p in work[:sent]
+            if p.credited and isinstance(results[p.item.index], ReservationError)
+        ]
+        for it in lapsed:  # its credit expired before the COMMIT: write it again
+            results[it.index] = None
+        return RoundOutcome(len(work), plan.refused + lapsed)
+
+    def _place(
+        self,
+        conn: DataConn,
+        items: list[Outgoing],
+        scope: pb.Scope,
+        skey: bytes,
+        deadline: float,
+        results: list[Any],
+    ) -> WritePlan:
+        """Where each item of a round goes: a credit this connection holds (credits.py)
+        or, for those without one, an extent one RESERVE asks for (with the credits for
+        the next round); the RESERVE's errors and already-present keys go to
+        ``results``, and the items it refused for lack of room come back to retry."""
+        lend = self.credits and conn.info.put_credits
+        placed: list[Placed] = []
         rest: list[Outgoing] = []
         for it in items:
             credit = conn.credits.take(skey, it.info.nbytes) if lend else None
             if credit is None:
                 rest.append(it)
             else:
-                work.append((it, credit.lease_id, credit.offset, True))
+                placed.append(Placed(it, credit.lease_id, credit.offset, True))
         want = [it.info.nbytes for it in items] if lend else []
-        refused: list[Outgoing] = []
-        if rest:
-            req = pb.PutRequest(scope=scope, credits=want)
-            for it in rest:
-                req.items.add(key=it.key, meta=meta_of(it.info))
-            resp, _ = conn.call(Op.RESERVE, req, pb.PutResponse, deadline)
-            put_results(resp, rest, results)  # errors and already-present keys
-            conn.credits.keep(skey, want, resp)
-            want = []
-            for it, r in zip(rest, resp.results, strict=True):
-                if r.lease_id:
-                    work.append((it, r.lease_id, r.offset, False))
-            refused = [it for it in rest if isinstance(results[it.index], CapacityError)]
-        if not work:
-            return 0, refused
-        sent = 0
-        try:
-            for j, (it, lease_id, offset, credited) in enumerate(work):
-                dst = self.segment.extent(offset, it.info.nbytes)
-                it.sum = copy_hashed(dst, it.data)
-                commit = pb.CommitRequest()
-                item = commit.items.add(lease_id=lease_id, checksum=it.sum)
-                if credited:
-                    item.key = it.key
-                    item.meta.CopyFrom(meta_of(it.info))
-                if credited or (want and j == len(work) - 1):
-                    commit.scope.CopyFrom(scope)
-                if want and j == len(work) - 1:
-                    commit.credits.extend(want)
-                conn.send_only(Op.COMMIT, commit, deadline)
-                sent += 1
-        finally:
-            self._commit_replies(conn, work, sent, deadline, results, skey, want)
-        lapsed = [
-            it
-            for it, _, _, credited in work[:sent]
-            if credited and isinstance(results[it.index], ReservationError)
-        ]
-        for it in lapsed:  # its credit expired before the COMMIT: write it again
-            results[it.index] = None
-        return len(work), refused + lapsed
+        if not rest:
+            return WritePlan(placed, [], want)
+        req = pb.PutRequest(scope=scope, credits=want)
+        for it in rest:
+            req.items.add(key=it.key, meta=meta_of(it.info))
+        resp, _ = conn.call(Op.RESERVE, req, pb.PutResponse, deadline)
+        put_results(resp, rest, results)  # errors and already-present keys
+        conn.credits.keep(skey, want, resp)
+        for it, r in zip(rest, resp.results, strict=True):
+            if r.lease_id:
+                placed.append(Placed(it, r.lease_id, r.offset, False))
+        refused = [it for it in rest if isinstance(results[it.index], CapacityError)]
+        return WritePlan(placed, refused, [])
+
+    def _copy_in(self, placed: Placed, scope: pb.Scope, want: list[int]) -> pb.CommitRequest:
+        """Copy an item into its extent, hashing its source, and the COMMIT that seals
+        it: one naming the block when the extent is a credit, and asking for ``want``
+        credits (the round's last COMMIT, when the RESERVE did not ask)."""
+        it = placed.item
+        dst = self.segment.extent(placed.offset, it.info.nbytes)
+        it.sum = copy_hashed(dst, it.data)
+        commit = pb.CommitRequest()
+        item = commit.items.add(lease_id=placed.lease_id, checksum=it.sum)
+        if placed.credited:
+            item.key = it.key
+            item.meta.CopyFrom(meta_of(it.info))
+        if placed.credited or want:
+            commit.scope.CopyFrom(scope)
+        if want:
+            commit.credits.extend(want)
+        return commit
 
     def _commit_replies(
         self,
         conn: DataConn,
-        work: list[tuple[Outgoing, int, int, bool]],
+        work: list[Placed],
         sent: int,
         deadline: float,
         results: list[Any],
@@ -403,18 +452,18 @@ class ShmTransport(SocketTransport):
         credits asked for) and abort the leases of the items never committed (a copy
         failed): nothing half-copied becomes visible, and the stream stays in step for
         the connection's next request."""
-        for j, (it, *_) in enumerate(work[:sent]):
+        for j, placed in enumerate(work[:sent]):
             try:
                 resp = conn.read_reply(Op.COMMIT, pb.PutResponse, deadline)
             except KVStoreError as exc:
                 if not conn.usable:
                     raise
-                results[it.index] = exc  # this request failed whole; the others answer
+                results[placed.item.index] = exc  # this request failed whole; the others answer
                 continue
-            put_results(resp, [it], results)
+            put_results(resp, [placed.item], results)
             if want and j == len(work) - 1:
                 conn.credits.keep(scope, want, resp)
-        rest = [lease_id for _, lease_id, _, _ in work[sent:]]
+        rest = [p.lease_id for p in work[sent:]]
         if rest and conn.usable:
             conn.call(Op.ABORT, pb.LeaseRequest(lease_ids=rest), pb.LeaseResponse, deadline)
 
