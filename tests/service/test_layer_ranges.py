@@ -26,7 +26,7 @@ from kvstore.errors import InvalidValue, KVStoreError, LayoutMismatch
 from kvstore.observe.counters import NodeCounters
 from kvstore.wire.frames import HEADER, MAGIC, REPLY, FrameSocket, Op
 from tests.support.frame_pair import frame_pair
-from tests.support.memory_fixtures import Served, over, reach, serving
+from tests.support.memory_fixtures import Served, factory_of, over, reach, serving
 from tests.support.server_process import ALPHA
 
 pytest_plugins = ["tests.support.server_fixtures"]
@@ -199,8 +199,7 @@ def test_bad_ranges_and_buffers_are_per_key_errors(
 def test_ranges_of_ssd_blocks(request: pytest.FixtureRequest, kind: str, transport: str) -> None:
     """A block demoted to SSD is sent inline whatever the transport: the range alone,
     with its checksum."""
-    factory = request.getfixturevalue("memory_factory" if kind == "memory" else "server_factory")
-    server = factory(dram_bytes="1MiB")
+    server = factory_of(request, kind)(dram_bytes="1MiB")
     n = 120  # 120 x 12 KiB into 1 MiB of DRAM: the first ones go to SSD
     tag = {"tcp": 150, "shm": 151, "": 152}[transport]
     ks, blocks = keys(tag, n), [block(100 + i) for i in range(n)]

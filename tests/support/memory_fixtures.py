@@ -13,8 +13,9 @@ DRAM segment is left out: the in-memory network has no shared memory.
 - ``any_server`` / ``any_factory``: the same, parametrized over ``memory`` and
   ``process`` (a real ``kvstore serve``; that case alone is marked ``process``), so a
   logic test is written once and the hermetic run keeps its memory case;
-- :func:`over` and :func:`serving`: the same for a test that also picks the real
-  server's transport (the in-memory server runs once, having none to pick).
+- :func:`over` with :func:`serving` or :func:`factory_of`: the same for a test that
+  also picks the real server's transport (the in-memory server runs once, having
+  none to pick).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ __all__ = [
     "Served",
     "any_factory",
     "any_server",
+    "factory_of",
     "memory_factory",
     "memory_server",
     "over",
@@ -166,6 +168,13 @@ def serving(request: pytest.FixtureRequest, kind: str) -> Served:
     name = "memory_server" if kind == "memory" else "store_server"
     served: Served = request.getfixturevalue(name)
     return served
+
+
+def factory_of(request: pytest.FixtureRequest, kind: str) -> Callable[..., Served]:
+    """A server factory of ``kind`` for this test (one parametrized with :func:`over`)."""
+    name = "memory_factory" if kind == "memory" else "server_factory"
+    factory: Callable[..., Served] = request.getfixturevalue(name)
+    return factory
 
 
 def reach(served: Served) -> dict[str, Any]:
