@@ -18,7 +18,11 @@ from typing import Any
 
 import pytest
 
-pytest_plugins = ["tests.support.server_fixtures", "tests.support.etcd_fixtures"]
+pytest_plugins = [
+    "tests.support.server_fixtures",
+    "tests.support.etcd_fixtures",
+    "tests.support.memory_fixtures",
+]
 
 # UCX (kvstore/wire/ucx.py) moves test bytes over loopback only, in this process and in
 # every child that inherits its environment (tests across network namespaces name their

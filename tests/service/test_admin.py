@@ -3,7 +3,9 @@
 Every number checked follows from what the test did: 64 KiB blocks, known tenants,
 known paths (shared memory for a same-host client, the data socket for a TCP client).
 Pins are real: a data connection holding a shared-memory read lease, exactly what a
-same-host reader holds while it copies.
+same-host reader holds while it copies. What the server decides (admin rights, a
+tenant's stats, evict's filters) is checked on the in-memory network too
+(tests/support/memory_fixtures.py), in the hermetic run.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from kvstore.errors import ConfigError, PermissionDenied
 from kvstore.wire.codec import scope_of
 from kvstore.wire.frames import Op
 from tests.support.background import Background
+from tests.support.memory_fixtures import MemoryFactory, MemoryStore, Served
 from tests.support.server_process import (
     ADMIN,
     ALPHA,
@@ -190,6 +193,22 @@ def test_a_tenant_token_sees_only_its_own_tenant(
     assert rc == 1 and "own tenant" in err and err.count("\n") == 2
 
 
+def test_a_tenants_stats_name_only_its_own_tenant(memory_server: MemoryStore) -> None:
+    """The server's half of the test above, on the in-memory network: a tenant's Stats
+    carry its own ``@tenant`` books only; an admin's carry every tenant's."""
+    for token in (ALPHA, BRAVO):
+        with memory_server.client(token, namespace=NS) as c:
+            assert c.put(key("t", 0), value(0))
+            assert c.get(key("t", 1)) is None
+    with memory_server.client(ALPHA) as c:
+        server = c.stats()["server"]
+    assert server["puts@alpha"] >= 1 and server["misses@alpha"] >= 1
+    assert not any("@" in k and not k.endswith("@alpha") for k in server)
+    with memory_server.client(ADMIN) as c:
+        server = c.stats()["server"]
+    assert server["puts@alpha"] >= 1 and server["puts@bravo"] >= 1
+
+
 # -- refusals and help --------------------------------------------------------------------
 
 
@@ -219,8 +238,17 @@ def test_admin_commands_refuse_a_tenant_token(
         assert c.health() == "serving"
 
 
-def test_the_server_refuses_admin_rpcs_to_a_tenant(shared: ServerProcess) -> None:
+@pytest.fixture(scope="module")
+def store_server(shared: ServerProcess) -> ServerProcess:
+    """``any_server``'s real case: the module's shared server."""
+    return shared
+
+
+def test_the_server_refuses_admin_rpcs_to_a_tenant(any_server: Served) -> None:
     """The CLI checks first, but the server is the authority."""
+    shared = any_server
+    with shared.client(ALPHA, namespace=NS) as c:
+        c.batch_put([key("s", i) for i in range(4)], [value(i) for i in range(4)])
     with shared.client(ALPHA) as c:
         admin = AdminClient(c)
         calls = (
@@ -325,6 +353,33 @@ def test_evict_filters_by_tenant_model_and_age(
     assert r["dropped"] == 4 and r["skipped_pinned"] == 0
     r = cli_json(capsys, *ssd, "--tenant", "alpha", "--namespace", "other-model")["results"][0]
     assert r["dropped"] == 2
+    with server.client(ALPHA, namespace=NS) as c:
+        assert c.exists([key("a", i) for i in range(6)]) == [True] * 6
+        assert c.exists([key("o", 0)]) == [False]
+    with server.client(BRAVO, namespace=NS) as c:
+        assert c.exists([key("b", i) for i in range(4)]) == [False] * 4
+
+
+def test_evict_filters_select_by_tenant_model_and_age(memory_factory: MemoryFactory) -> None:
+    """The filters of the test above, through AdminClient on the in-memory network: the
+    server's selection without the CLI or a process."""
+    server = memory_factory()
+    other = Namespace("other-model", NS.layout)
+    with server.client(ALPHA, namespace=NS) as c:
+        c.batch_put([key("a", i) for i in range(6)], [value(i) for i in range(6)])
+        c.batch_put([key("o", i) for i in range(2)], [value(i) for i in range(2)], namespace=other)
+    with server.client(BRAVO, namespace=NS) as c:
+        c.batch_put([key("b", i) for i in range(4)], [value(i) for i in range(4)])
+    with server.client(ADMIN) as c:
+        admin = AdminClient(c)
+        assert admin.evict("dram")["moved"] == 12
+        assert admin.evict("ssd", tenant="alpha", idle_s=3600)["moved"] == 0  # none idle
+        r = admin.evict("ssd", tenant="bravo", dry_run=True, list_limit=100)
+        assert (r["dropped"], len(r["blocks"])) == (4, 4)
+        r = admin.evict("ssd", tenant="bravo")
+        assert r["dropped"] == 4 and r["skipped_pinned"] == 0
+        assert admin.evict("ssd", tenant="alpha", model="other-model")["dropped"] == 2
+        assert admin.evict("ssd", tenant="nobody")["dropped"] == 0
     with server.client(ALPHA, namespace=NS) as c:
         assert c.exists([key("a", i) for i in range(6)]) == [True] * 6
         assert c.exists([key("o", 0)]) == [False]

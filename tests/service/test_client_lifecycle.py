@@ -1,4 +1,6 @@
-"""Client lifecycle, timeouts, retries and reconnection, against real server processes."""
+"""Client lifecycle, timeouts, retries and reconnection, against real server processes;
+what is the client's own logic runs on the in-memory network too
+(tests/support/memory_fixtures.py), in the hermetic run."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from kvstore.errors import (
     TimeoutError_,
     Unavailable,
 )
+from tests.support.memory_fixtures import Served, reach
 from tests.support.server_process import ADMIN, ALPHA, ServerProcess
 
 
@@ -34,8 +37,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_unopened_open_closed(store_server: ServerProcess) -> None:
-    c = StoreClient(store_server.address, token=ALPHA.token)
+def test_unopened_open_closed(any_server: Served) -> None:
+    c = StoreClient(any_server.address, token=ALPHA.token, **reach(any_server))
     assert c.state == "unopened"
     with pytest.raises(ClosedError, match="not open"):
         c.exists([_key(0)])
@@ -51,8 +54,8 @@ def test_unopened_open_closed(store_server: ServerProcess) -> None:
         c.open()
 
 
-def test_context_manager_and_server_info(store_server: ServerProcess) -> None:
-    with StoreClient(store_server.address, token=ALPHA.token) as c:
+def test_context_manager_and_server_info(any_server: Served) -> None:
+    with StoreClient(any_server.address, token=ALPHA.token, **reach(any_server)) as c:
         assert c.state == "open"
         info = c.server_info
         assert info["tenant"] == "alpha" and not info.get("admin", False)
@@ -75,10 +78,12 @@ def test_unreachable_server_is_unavailable_within_the_connect_timeout() -> None:
     assert time.monotonic() - t0 < 5
 
 
-def test_errors_that_retrying_cannot_fix_are_raised_at_once(store_server: ServerProcess) -> None:
+def test_errors_that_retrying_cannot_fix_are_raised_at_once(any_server: Served) -> None:
     with pytest.raises(AuthError):
-        StoreClient.connect(store_server.address, token="not-a-real-token-at-all")
-    with store_server.client(ALPHA) as c:
+        StoreClient.connect(
+            any_server.address, token="not-a-real-token-at-all", **reach(any_server)
+        )
+    with any_server.client(ALPHA) as c:
         c.put(_key(1), np.zeros(8, dtype=np.float32))
         with pytest.raises(LayoutMismatch):
             c.get_into(_key(1), np.zeros(8, dtype=np.int32))
@@ -86,13 +91,17 @@ def test_errors_that_retrying_cannot_fix_are_raised_at_once(store_server: Server
 
 
 def test_deadline_passed_is_a_timeout(store_server: ServerProcess) -> None:
+    """The data socket refuses a call whose deadline has passed (not the in-memory
+    network's concern: it has no socket to wait on)."""
     with store_server.client(ALPHA) as c, pytest.raises(TimeoutError_):
         c.exists([_key(2)], timeout=0)
 
 
-def test_async_client(store_server: ServerProcess) -> None:
+def test_async_client(any_server: Served) -> None:
     async def main() -> None:
-        async with AsyncStoreClient(store_server.address, token=ALPHA.token) as c:
+        async with AsyncStoreClient(
+            any_server.address, token=ALPHA.token, **reach(any_server)
+        ) as c:
             assert c.state == "open"
             blocks = [torch.full((4, 16), float(i), dtype=torch.bfloat16) for i in range(8)]
             keys = [_key(100 + i) for i in range(8)]

@@ -3,7 +3,8 @@ frames (topic, 8-byte sequence, msgpack ``[ts, events]``), BlockStored on a writ
 BlockRemoved on a remove, BlockRemoved + BlockStored when a block changes tier, a
 replay endpoint that resends what a subscriber missed, and a full re-list after the
 publisher fell behind. The same stream decoded with vLLM's own classes:
-tests/vllm/test_vllm_kv_events.py."""
+tests/vllm/test_vllm_kv_events.py. The served node's payloads are checked on the
+in-memory network too (tests/support/memory_fixtures.py), in the hermetic run."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from kvstore.server.kv_events import KVEventsPublisher
 from kvstore.tenants import Principal
 from kvstore.tier_kinds import TierKind
 from tests.support.kv_events import Subscriber, replay
+from tests.support.memory_fixtures import MemoryFactory, Served
 from tests.support.server_fixtures import ServerFactory
 from tests.support.server_process import ALPHA
 
@@ -42,15 +44,44 @@ def _hashes(batches: list[Any], kind: str, medium: str | None = None) -> set[byt
     }
 
 
+KV_EVENT_FLAGS = {
+    "kv_events_endpoint": "tcp://127.0.0.1:*",
+    "kv_events_replay_endpoint": "tcp://127.0.0.1:*",
+    "kv_events_block_size": 32,
+}
+
+
 @pytest.mark.process
 def test_a_served_node_publishes_stores_and_removes(server_factory: ServerFactory) -> None:
-    server = server_factory(
-        kv_events_endpoint="tcp://127.0.0.1:*",
-        kv_events_replay_endpoint="tcp://127.0.0.1:*",
-        kv_events_block_size=32,
-    )
+    server = server_factory(**KV_EVENT_FLAGS)
     endpoint = server.facts["kv_events"]
     assert endpoint.startswith("tcp://127.0.0.1:")
+    _publishes_stores_and_removes(server, endpoint, server.facts["kv_events_replay"])
+
+
+def test_a_node_on_the_memory_network_publishes_stores_and_removes(
+    memory_factory: MemoryFactory,
+) -> None:
+    """The same payloads from the same publisher, wired to the node as ``kvstore serve``
+    wires it (its settings, the node's event queue and snapshot), without the process."""
+    server = memory_factory(**KV_EVENT_FLAGS)
+    node, c = server.node, server.server.config
+    pub = KVEventsPublisher(
+        node.events.tap(),
+        lambda: [(bytes(k), tier) for k, tier, _ in node.snapshot()],
+        c.kv_events_endpoint,
+        replay_endpoint=c.kv_events_replay_endpoint,
+        topic=c.kv_events_topic,
+        block_size=c.kv_events_block_size,
+    )
+    try:
+        _publishes_stores_and_removes(server, pub.endpoint, pub.replay_endpoint)
+    finally:
+        node.events.untap(pub.tap)
+        pub.close()
+
+
+def _publishes_stores_and_removes(server: Served, endpoint: str, replay_endpoint: str) -> None:
     sub = Subscriber(endpoint)
     try:
         keys = [f"kv-events-{i:06d}".encode() for i in range(3)]
@@ -74,7 +105,7 @@ def test_a_served_node_publishes_stores_and_removes(server_factory: ServerFactor
             assert _hashes(batches, "BlockRemoved", "CPU") == {keys[0]}
         seqs = [s for s, _ in sub.seen]
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # one per batch, in order
-        again = replay(server.facts["kv_events_replay"], 0)
+        again = replay(replay_endpoint, 0)
         assert [s for s, _ in again] == list(range(len(again)))
         assert dict(again)[seqs[-1]] == sub.seen[-1][1]  # the same bytes, resent
     finally:

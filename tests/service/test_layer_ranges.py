@@ -2,7 +2,8 @@
 sized for them, over every transport (TCP, the leased shared-memory path, the published
 index), from DRAM and from SSD. A range is verified before it is handed over: on the
 socket against the server's xxh3 of exactly those bytes, so a corrupted range is a miss.
-The bytes are the block's own: ``block[a:b]``, whatever the path."""
+The bytes are the block's own: ``block[a:b]``, whatever the path, the in-memory
+network's included (tests/support/memory_fixtures.py: the hermetic run's case)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,8 +26,8 @@ from kvstore.errors import InvalidValue, KVStoreError, LayoutMismatch
 from kvstore.observe.counters import NodeCounters
 from kvstore.wire.frames import HEADER, MAGIC, REPLY, FrameSocket, Op
 from tests.support.frame_pair import frame_pair
-from tests.support.server_fixtures import ServerFactory
-from tests.support.server_process import ALPHA, ServerProcess
+from tests.support.memory_fixtures import Served, factory_of, over, reach, serving
+from tests.support.server_process import ALPHA
 
 pytest_plugins = ["tests.support.server_fixtures"]
 
@@ -109,19 +109,26 @@ def test_layer_ranges_are_checked_before_anything_is_sent() -> None:
         layer_span(header, (0, L + 1))
 
 
-# -- against a real server ---------------------------------------------------------------
+# -- against a real server, and the same logic on the in-memory network -----------------
 
 
-@pytest.mark.process
 @pytest.mark.parametrize(
-    ("transport", "direct"), [("tcp", True), ("shm", False), ("shm", True)], ids=str
+    ("kind", "transport", "direct"),
+    [
+        pytest.param("memory", "", False, id="memory"),
+        *(
+            pytest.param("process", t, d, marks=pytest.mark.process, id=f"{t}-{d}")
+            for t, d in [("tcp", True), ("shm", False), ("shm", True)]
+        ),
+    ],
 )
 def test_every_range_reads_the_blocks_own_bytes(
-    store_server: ServerProcess, transport: str, direct: bool
+    request: pytest.FixtureRequest, kind: str, transport: str, direct: bool
 ) -> None:
-    ks = keys({"tcp": 10, "shm": 20}[transport] + direct, 3)
+    server = serving(request, kind)
+    ks = keys({"tcp": 10, "shm": 20, "": 30}[transport] + direct, 3)
     blocks = [block(i) for i in range(3)]
-    with store_server.client(ALPHA, namespace=NS, transport=transport, shm_direct=direct) as c:
+    with server.client(ALPHA, namespace=NS, transport=transport, shm_direct=direct) as c:
         assert c.batch_put(ks, blocks) == [True, True, True]
         for _ in range(2):  # the first shm read teaches the direct reader the namespace
             for a, b in [(0, 1), (1, 4), (5, 6), (0, L)]:
@@ -129,15 +136,15 @@ def test_every_range_reads_the_blocks_own_bytes(
                 assert c.batch_get_into(ks, outs, layers=(a, b)) == [True, True, True]
                 for out, whole in zip(outs, blocks, strict=True):
                     assert np.array_equal(out, whole[a:b])
-        assert c.transport == transport
+        assert c.transport == (transport or kind)
 
 
-@pytest.mark.process
-def test_ranges_of_torch_bf16_blocks_and_the_async_client(store_server: ServerProcess) -> None:
+def test_ranges_of_torch_bf16_blocks_and_the_async_client(any_server: Served) -> None:
     import asyncio
 
     from kvstore import AsyncStoreClient
 
+    store_server = any_server
     ns = Namespace("ranged-bf16", f"bf16:L{L}:H{H}:D{D}:B{B}")
     k = prefix_keys([7] * B, block_tokens=B, namespace=ns)[0]
     t = torch.randn(L, 2, H, B, D).to(torch.bfloat16)
@@ -148,7 +155,9 @@ def test_ranges_of_torch_bf16_blocks_and_the_async_client(store_server: ServerPr
         assert torch.equal(out, t[3:5])
 
     async def read() -> torch.Tensor:
-        ac = await AsyncStoreClient.connect(store_server.address, token=ALPHA.token, namespace=ns)
+        ac = await AsyncStoreClient.connect(
+            store_server.address, token=ALPHA.token, namespace=ns, **reach(store_server)
+        )
         try:
             o = torch.empty(1, 2, H, B, D, dtype=torch.bfloat16)
             assert await ac.get_into(k, o, layers=(0, 1)) is True
@@ -159,13 +168,12 @@ def test_ranges_of_torch_bf16_blocks_and_the_async_client(store_server: ServerPr
     assert torch.equal(asyncio.run(read()), t[0:1])
 
 
-@pytest.mark.process
-@pytest.mark.parametrize("transport", ["tcp", "shm"])
+@pytest.mark.parametrize(("kind", "transport"), over("tcp", "shm"))
 def test_bad_ranges_and_buffers_are_per_key_errors(
-    store_server: ServerProcess, transport: str
+    request: pytest.FixtureRequest, kind: str, transport: str
 ) -> None:
-    k, raw, missing = keys({"tcp": 90, "shm": 91}[transport], 3)
-    with store_server.client(ALPHA, namespace=NS, transport=transport) as c:
+    k, raw, missing = keys({"tcp": 90, "shm": 91, "": 92}[transport], 3)
+    with serving(request, kind).client(ALPHA, namespace=NS, transport=transport) as c:
         assert c.put(k, block(9)) is True
         assert c.put(raw, b"x" * (L * 2 * H * B * D * 4)) is True  # raw bytes: no layers
         good = np.zeros((2, 2, H, B, D), np.float32)
@@ -187,16 +195,14 @@ def test_bad_ranges_and_buffers_are_per_key_errors(
         assert c.get_into(k, whole) is True and np.array_equal(whole, block(9))
 
 
-@pytest.mark.process
-@pytest.mark.parametrize("transport", ["tcp", "shm"])
-def test_ranges_of_ssd_blocks(
-    server_factory: ServerFactory, tmp_path: Path, transport: str
-) -> None:
+@pytest.mark.parametrize(("kind", "transport"), over("tcp", "shm"))
+def test_ranges_of_ssd_blocks(request: pytest.FixtureRequest, kind: str, transport: str) -> None:
     """A block demoted to SSD is sent inline whatever the transport: the range alone,
     with its checksum."""
-    server = server_factory(dram_bytes="1MiB")
+    server = factory_of(request, kind)(dram_bytes="1MiB")
     n = 120  # 120 x 12 KiB into 1 MiB of DRAM: the first ones go to SSD
-    ks, blocks = keys({"tcp": 150, "shm": 151}[transport], n), [block(100 + i) for i in range(n)]
+    tag = {"tcp": 150, "shm": 151, "": 152}[transport]
+    ks, blocks = keys(tag, n), [block(100 + i) for i in range(n)]
     with server.client(ALPHA, namespace=NS, transport=transport) as c:
         assert all(r is True for r in c.batch_put(ks, blocks))
         tiers = c.stats()["tiers"]

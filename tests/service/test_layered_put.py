@@ -3,7 +3,9 @@ data path: shared memory, TCP and, where ucxx is installed, UCX.
 
 The contract under test (kvstore/client/layered.py): the stored block is the one a whole
 put of the same bytes stores; nothing is visible before the commit; withdrawn items and
-aborted writes store nothing and free their space; bad input is a clear error.
+aborted writes store nothing and free their space; bad input is a clear error. That
+contract holds on the in-memory network too (tests/support/memory_fixtures.py): its
+case runs in the hermetic run; a killed or stalled writer needs a real socket.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from kvstore import Namespace, StoreClient, prefix_keys
 from kvstore.errors import CorruptBlock, InvalidValue, KVStoreError, ReservationError
+from tests.support.memory_fixtures import Served, reach, serving
 from tests.support.server_fixtures import DATA_PATHS, ServerFactory, serve_every_path
 from tests.support.server_process import ALPHA, ServerProcess
 from tests.support.waiting import wait_until
@@ -49,16 +52,30 @@ def store_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPro
     yield from serve_every_path(tmp_path_factory)
 
 
-@pytest.fixture(scope="module", params=TRANSPORTS)
-def client(request: pytest.FixtureRequest, store_server: ServerProcess) -> Iterator[StoreClient]:
-    with store_server.client(ALPHA, transport=request.param, namespace=NS) as c:
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(("memory", ""), id="memory"),
+        *(pytest.param(("process", t), marks=pytest.mark.process, id=t) for t in TRANSPORTS),
+    ],
+)
+def path(request: pytest.FixtureRequest) -> tuple[Served, str]:
+    """The server (in memory, or the real one) and the writer's transport on it."""
+    kind, transport = request.param
+    return serving(request, kind), transport
+
+
+@pytest.fixture(scope="module")
+def client(path: tuple[Served, str]) -> Iterator[StoreClient]:
+    server, transport = path
+    with server.client(ALPHA, transport=transport, namespace=NS) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
-def reader(store_server: ServerProcess) -> Iterator[StoreClient]:
+def reader(path: tuple[Served, str]) -> Iterator[StoreClient]:
     """A second client on TCP: what other processes see."""
-    with store_server.client(ALPHA, transport="tcp", namespace=NS) as c:
+    with path[0].client(ALPHA, transport="tcp", namespace=NS) as c:
         yield c
 
 
@@ -197,6 +214,13 @@ with StoreClient.connect(sys.argv[1], token=sys.argv[2], namespace=ns, transport
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_writer_killed_mid_stream_leaves_nothing(
+    store_server: ServerProcess, transport: str
+) -> None:
+    with store_server.client(ALPHA, transport="tcp", namespace=NS) as reader:
+        _killed_writer_leaves_nothing(store_server, reader, transport)
+
+
+def _killed_writer_leaves_nothing(
     store_server: ServerProcess, reader: StoreClient, transport: str
 ) -> None:
     used = _dram_used(reader)
@@ -253,9 +277,7 @@ def test_a_writer_that_stalls_between_layers_is_cut(
         assert c.put(keys[0], data[0]) is True  # the client goes on
 
 
-def test_the_async_client_writes_layer_by_layer(
-    store_server: ServerProcess, reader: StoreClient
-) -> None:
+def test_the_async_client_writes_layer_by_layer(any_server: Served) -> None:
     """AsyncStoreClient.begin_layers: the same write with coroutine steps; leaving
     ``async with`` without a commit stores nothing."""
     import asyncio
@@ -267,7 +289,9 @@ def test_the_async_client_writes_layer_by_layer(
     dropped = [dropped_key]
 
     async def write() -> list[object]:
-        ac = await AsyncStoreClient.connect(store_server.address, token=ALPHA.token, namespace=NS)
+        ac = await AsyncStoreClient.connect(
+            any_server.address, token=ALPHA.token, namespace=NS, **reach(any_server)
+        )
         try:
             async with await ac.begin_layers(keys, shape=SHAPE, dtype=torch.bfloat16) as w:
                 for layer in range(SHAPE[0]):
@@ -280,7 +304,8 @@ def test_the_async_client_writes_layer_by_layer(
             await ac.close()
 
     assert asyncio.run(write()) == [True, True]
-    for k, b in zip(keys, t, strict=True):
-        got = reader.get(k)
-        assert got is not None and torch.equal(got, b)
-    assert reader.exists(dropped) == [False]
+    with any_server.client(ALPHA, transport="tcp", namespace=NS) as reader:
+        for k, b in zip(keys, t, strict=True):
+            got = reader.get(k)
+            assert got is not None and torch.equal(got, b)
+        assert reader.exists(dropped) == [False]

@@ -1,7 +1,9 @@
 """Per-tenant quotas and stalled puts against a real ``kvstore serve`` (issue 17, attack
 3): a tenant dribbling puts a byte a second holds its reservations for seconds, and
 only as many as its quota allows, while another tenant's puts keep succeeding; and a
-tenant at its DRAM quota demotes its own blocks, never another tenant's."""
+tenant at its DRAM quota demotes its own blocks, never another tenant's. The quota
+logic (not the dribbling socket) runs on the in-memory network too, in the hermetic
+run (tests/support/memory_fixtures.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import contextlib
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -20,11 +23,10 @@ from kvstore.errors import QuotaExceeded
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.wire.codec import meta_of
 from kvstore.wire.frames import HEADER, MAGIC, PROTOCOL, FrameSocket, Op
+from tests.support.memory_fixtures import Served
 from tests.support.server_fixtures import ServerFactory
 from tests.support.server_process import ADMIN, ALPHA, BRAVO, ServerProcess, write_tokens
 from tests.support.waiting import wait_until
-
-pytestmark = pytest.mark.process
 
 MODEL, LAYOUT = "m", "float32:L1:H1:D128:B64"
 VALUE = np.ones((1, 2, 1, 64, 128), dtype=np.float32)  # 64 KiB, one block of LAYOUT
@@ -37,7 +39,7 @@ def _tokens_with_quotas(workdir: Path, quotas: str) -> Path:
     return path
 
 
-def _start(factory: ServerFactory, tmp_path: Path, quotas: str, **flags: object) -> ServerProcess:
+def _start(factory: Callable[..., Served], tmp_path: Path, quotas: str, **flags: object) -> Served:
     tokens = _tokens_with_quotas(tmp_path, quotas)
     return factory(tokens_file=tokens, dram_bytes="1MiB", **flags)
 
@@ -71,6 +73,7 @@ def _closed_by_server(sock: socket.socket) -> bool:
         sock.setblocking(True)
 
 
+@pytest.mark.process
 def test_a_dribbling_tenant_holds_little_for_short_while_another_puts(
     server_factory: ServerFactory, tmp_path: Path
 ) -> None:
@@ -81,6 +84,7 @@ def test_a_dribbling_tenant_holds_little_for_short_while_another_puts(
         put_grace_s=1,
         put_floor_bytes="64KiB",  # a 64 KiB payload may take 1 + 1 s
     )
+    assert isinstance(server, ServerProcess)
     a_keys = list(prefix_keys(list(range(20 * 64)), 64, A_NS))
     b_keys = list(prefix_keys(list(range(200 * 64)), 64, B_NS))
     t0 = time.monotonic()
@@ -139,9 +143,9 @@ def test_a_dribbling_tenant_holds_little_for_short_while_another_puts(
 
 
 def test_a_tenant_at_its_dram_quota_cannot_push_another_out(
-    server_factory: ServerFactory, tmp_path: Path
+    any_factory: Callable[..., Served], tmp_path: Path
 ) -> None:
-    server = _start(server_factory, tmp_path, '[quotas.alpha]\ndram = "256KiB"\n')
+    server = _start(any_factory, tmp_path, '[quotas.alpha]\ndram = "256KiB"\n')
     b_keys = list(prefix_keys(list(range(8 * 64)), 64, B_NS))
     a_keys = list(prefix_keys(list(range(40 * 64)), 64, A_NS))
     with (
@@ -165,9 +169,9 @@ def test_a_tenant_at_its_dram_quota_cannot_push_another_out(
 
 
 def test_a_block_bigger_than_the_quota_is_refused_with_the_code(
-    server_factory: ServerFactory, tmp_path: Path
+    any_factory: Callable[..., Served], tmp_path: Path
 ) -> None:
-    server = _start(server_factory, tmp_path, '[quotas.alpha]\ndram = "32KiB"\n')
+    server = _start(any_factory, tmp_path, '[quotas.alpha]\ndram = "32KiB"\n')
     with server.client(ALPHA, namespace=A_NS) as a:
         with pytest.raises(QuotaExceeded, match="exceeds its dram quota"):
             a.put(b"q" * 16, VALUE)
@@ -175,6 +179,7 @@ def test_a_block_bigger_than_the_quota_is_refused_with_the_code(
             assert b.put(b"q" * 16, VALUE)  # B has no quota
 
 
+@pytest.mark.process
 def test_a_bad_quota_stops_the_server_at_start(tmp_path: Path) -> None:
     tokens = _tokens_with_quotas(tmp_path, '[quotas.alpha]\ndram = "lots"\n')
     server = ServerProcess(tmp_path, {"port": 0, "data_port": 0, "tokens_file": tokens})

@@ -3,7 +3,8 @@
 Node-side keys are published to the directory, so they must not follow from public
 names. With the tokens file's ``scope_secret``, a tenant's scope key is derived from the
 secret, every node derives the same one, and a client learns only its own, from the
-INFO reply of a node its token authenticated to.
+INFO reply of a node its token authenticated to. The server-side tests run on the
+in-memory network too (tests/support/memory_fixtures.py), in the hermetic run.
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ from kvstore.config import ServerConfig
 from kvstore.errors import ConfigError
 from kvstore.server.auth import TokenTable
 from kvstore.tenants import Principal, derive_scope_key
+from tests.support.memory_fixtures import Served, over, serving
 from tests.support.server_process import (
     ADMIN,
     ALPHA,
     BRAVO,
     SCOPE_SECRET,
-    ServerProcess,
     Token,
     principal_of,
     write_tokens,
@@ -71,23 +72,24 @@ def test_two_tenants_need_a_secret(tmp_path: Path) -> None:
         TokenTable.from_config(cfg)
 
 
-def test_a_tenant_learns_only_its_own_scope_key(store_server: ServerProcess) -> None:
+def test_a_tenant_learns_only_its_own_scope_key(any_server: Served) -> None:
     for token in (ALPHA, BRAVO, ADMIN):
-        with store_server.client(token) as c:
+        with any_server.client(token) as c:
             got = base64.b64decode(c.server_info["scope_key"])
         assert got == principal_of(token).scope_key, token.tenant
-    with store_server.client(BRAVO) as c:
+    with any_server.client(BRAVO) as c:
         info = c.server_info
     assert info["tenant"] == "bravo"
     assert base64.b64decode(info["scope_key"]) != principal_of(ALPHA).scope_key
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize(("kind", "transport"), over("shm", "tcp"))
 def test_b_cannot_compute_where_a_stored_a_prompt(
-    store_server: ServerProcess, transport: str
+    request: pytest.FixtureRequest, kind: str, transport: str
 ) -> None:
     """A stores a prompt; the node holds it under keys B cannot derive from A's name."""
-    ns = Namespace(f"{NS.model}-{transport}", NS.layout)
+    store_server = serving(request, kind)
+    ns = Namespace(f"{NS.model}-{transport or kind}", NS.layout)
     keys = prefix_keys(PROMPT, 16, ns)
     values = [np.full((1, 2, 1, 16, 1), i, dtype=np.uint8) for i in range(len(keys))]
     with store_server.client(ALPHA, namespace=ns, transport=transport) as a:

@@ -2,6 +2,8 @@
 
 The control plane carries no get or put: blocks here are written and read through the
 data socket (StoreClient, or a raw frame where a test must skip the client's checks).
+The handlers' answers are checked again through a client's control channel on the
+in-memory network (tests/support/memory_fixtures.py), in the hermetic run.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from kvstore.cli import main
 from kvstore.errors import BlockTooLarge, LimitExceeded
 from kvstore.wire.auth import bearer_metadata
 from kvstore.wire.grpc_errors import error_from_rpc
+from tests.support.memory_fixtures import MemoryFactory, MemoryStore
 from tests.support.server_process import ADMIN, ALPHA, ServerProcess
 
 MD = bearer_metadata(ALPHA.token)
@@ -108,6 +111,49 @@ def test_limits(server_factory) -> None:
             assert c.exists([b"w" * 16]) == [False]  # and the connection is still in step
     finally:
         channel.close()
+
+
+# -- the same handlers through a client's control channel, on the in-memory network ------
+
+
+def test_info_and_health_through_the_client(memory_server: MemoryStore) -> None:
+    with memory_server.client(ALPHA) as c, memory_server.client(ADMIN) as admin:
+        info = c.server_info
+        assert info["tenant"] == "alpha" and not info.get("admin", False)
+        assert info["tiers"] == ["dram", "ssd"] and admin.server_info["admin"] is True
+        assert c.health() == "serving"
+        health = c.control("Health", pb.HealthRequest())
+        assert health.instance_id == info["instance_id"]
+
+
+def test_control_calls_see_what_the_data_path_stored(memory_server: MemoryStore) -> None:
+    keys = [b"mem-control-key" + bytes([i]) for i in range(3)]
+    with memory_server.client(ALPHA) as c:
+        assert c.batch_put(keys[:2], [b"hello", b"world"]) == [True, True]
+        assert c.get(keys[0]) == b"hello" and c.get(keys[2]) is None
+        req = pb.KeysRequest(keys=keys)
+        assert list(c.control("Exists", req).present) == [True, True, False]
+        assert list(c.control("Lookup", req).tier) == ["dram", "dram", ""]
+        assert c.control("MatchPrefix", req).matched == 2
+        assert c.control("Remove", req).removed == 2
+        assert list(c.control("Exists", req).present) == [False, False, False]
+        stats = c.control("Stats", pb.StatsRequest())
+        assert {t.tier for t in stats.tiers} == {"dram", "ssd"}
+
+
+def test_limits_said_by_the_server_bind_client_and_control_calls(
+    memory_factory: MemoryFactory,
+) -> None:
+    server = memory_factory(max_batch=8, max_value_bytes="64KiB", max_message_bytes="1MiB")
+    nine = [bytes([i]) * 16 for i in range(9)]
+    with server.client(ALPHA) as c:
+        with pytest.raises(LimitExceeded, match="max_batch"):
+            c.exists(nine)  # the client's own check, from the limits Info said
+        with pytest.raises(LimitExceeded):
+            c.control("Exists", pb.KeysRequest(keys=nine))  # the servicer's
+        with pytest.raises(BlockTooLarge):
+            c.put(b"v" * 16, np.zeros(128 << 10, dtype=np.uint8))
+        assert c.exists(nine[:8]) == [False] * 8
 
 
 def _raw_put(client, key: bytes, n: int, checksum_flip: int = 0) -> pb.PutResponse:

@@ -1,4 +1,6 @@
-"""Authentication, tenant isolation, admin rights and TLS, against real servers."""
+"""Authentication, tenant isolation, admin rights and TLS, against real servers; the
+tests whose subject is the server's logic, not its sockets, also run on the in-memory
+network (tests/support/memory_fixtures.py), in the hermetic run."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from kvstore.client.transport.shm import Segment
 from kvstore.errors import AuthError, KVStoreError, PermissionDenied, TransportError, Unavailable
 from kvstore.wire.auth import bearer_metadata
 from kvstore.wire.frames import PROTOCOL, FrameSocket, Op
+from tests.support.memory_fixtures import Served, over, reach, serving
 from tests.support.server_process import ADMIN, ALPHA, BRAVO, ServerProcess, make_tls_cert
 from tests.support.waiting import wait_until
 
@@ -71,10 +74,12 @@ def test_every_rpc_needs_a_valid_token(stub: pb_grpc.StoreStub, metadata: tuple)
         assert ("kvstore-error-code", "unauthenticated") in info.value.trailing_metadata()
 
 
-def test_client_maps_refused_tokens_to_auth_error(store_server: ServerProcess) -> None:
+def test_client_maps_refused_tokens_to_auth_error(any_server: Served) -> None:
     for token in (None, "wrong-token-0123456789"):
         with pytest.raises(AuthError):
-            StoreClient.connect(store_server.address, token=token, connect_timeout_s=5)
+            StoreClient.connect(
+                any_server.address, token=token, connect_timeout_s=5, **reach(any_server)
+            )
 
 
 def _hello(server: ServerProcess, token: str) -> FrameSocket:
@@ -107,12 +112,17 @@ def test_data_socket_requires_hello_first(store_server: ServerProcess) -> None:
     fs.close()
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_tenants_never_see_each_others_blocks(store_server: ServerProcess, transport: str) -> None:
+@pytest.mark.parametrize(("kind", "transport"), over("shm", "tcp"))
+def test_tenants_never_see_each_others_blocks(
+    request: pytest.FixtureRequest, kind: str, transport: str
+) -> None:
     # Same prompt, same namespace, same client keys: different tenants, different blocks.
-    keys = prefix_keys([len(transport) * 100 + ord(transport[0]) + i for i in range(8)], 4, NS)
-    alpha = store_server.client(ALPHA, transport=transport, namespace=NS)
-    bravo = store_server.client(BRAVO, transport=transport, namespace=NS)
+    server = serving(request, kind)
+    keys = prefix_keys(
+        [len(transport) * 100 + ord(transport[:1] or "m") + i for i in range(8)], 4, NS
+    )
+    alpha = server.client(ALPHA, transport=transport, namespace=NS)
+    bravo = server.client(BRAVO, transport=transport, namespace=NS)
     with alpha, bravo:
         assert alpha.batch_put(keys, [_block(1), _block(2)]) == [True, True]
         assert bravo.exists(keys) == [False, False]
@@ -188,13 +198,13 @@ def test_a_tenant_cannot_end_another_tenants_lease(store_server: ServerProcess) 
         bravo.close()
 
 
-def test_admin_operations_need_an_admin_token(store_server: ServerProcess) -> None:
-    with store_server.client(ALPHA) as c:
+def test_admin_operations_need_an_admin_token(any_server: Served) -> None:
+    with any_server.client(ALPHA) as c:
         with pytest.raises(PermissionDenied):
             AdminClient(c).evict("dram", 0)
         with pytest.raises(PermissionDenied):
             c.set_draining(True)
-    with store_server.client(ADMIN) as admin, store_server.client(ALPHA) as c:
+    with any_server.client(ADMIN) as admin, any_server.client(ALPHA) as c:
         assert admin.set_draining(True) is True
         try:
             assert c.health() == "draining"

@@ -1,6 +1,7 @@
 """Write-path faults of a real ``kvstore serve`` (issue 18): batches larger than free
 DRAM, concurrent writers racing for room, deadlines on the direct shared-memory path,
-and a PUT that claims an absurd body."""
+and a PUT that claims an absurd body. Writers racing for room run on the in-memory
+network too (tests/support/memory_fixtures.py), in the hermetic run."""
 
 from __future__ import annotations
 
@@ -14,10 +15,9 @@ import pytest
 from kvstore._proto import store_pb2 as pb
 from kvstore.errors import KVStoreError, TimeoutError_
 from kvstore.wire.frames import HEADER, MAGIC, PROTOCOL, FrameSocket, Op
+from tests.support.memory_fixtures import factory_of, over
 from tests.support.server_fixtures import ServerFactory
 from tests.support.server_process import ALPHA
-
-pytestmark = pytest.mark.process
 
 MIB = 1 << 20
 
@@ -30,6 +30,7 @@ def _value(i: int, nbytes: int) -> np.ndarray:
     return np.full(nbytes, i % 251, dtype=np.uint8)
 
 
+@pytest.mark.process
 def test_a_shm_batch_larger_than_free_dram_spills_to_ssd(server_factory: ServerFactory) -> None:
     """40 x 1 MiB into 16 MiB of DRAM over shared memory: every item is stored (the
     batch goes in rounds whose commits demote to SSD), none fails for want of DRAM."""
@@ -46,13 +47,13 @@ def test_a_shm_batch_larger_than_free_dram_spills_to_ssd(server_factory: ServerF
             assert c.get_into(keys[i], out) and out[0] == i and out[-1] == i
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize(("kind", "transport"), over("shm", "tcp"))
 def test_concurrent_writers_of_large_blocks_lose_no_puts(
-    server_factory: ServerFactory, transport: str
+    request: pytest.FixtureRequest, kind: str, transport: str
 ) -> None:
     """4 writers of 8 MiB blocks into 32 MiB of DRAM + SSD: no put is lost to a node
     that is only momentarily full (demotions in flight, others' reservations)."""
-    server = server_factory(dram_bytes="32MiB", ssd_bytes="256MiB")
+    server = factory_of(request, kind)(dram_bytes="32MiB", ssd_bytes="256MiB")
     writers, per_writer = 4, 4
     keys = _keys(writers * per_writer, b"race" + transport.encode())
     failures: list[object] = []
@@ -80,6 +81,7 @@ def test_concurrent_writers_of_large_blocks_lose_no_puts(
         assert c.exists(keys) == [True] * len(keys)
 
 
+@pytest.mark.process
 def test_a_direct_shm_read_honours_its_deadline(server_factory: ServerFactory) -> None:
     server = server_factory()
     key = _keys(1, b"direct")[0]
@@ -95,6 +97,7 @@ def test_a_direct_shm_read_honours_its_deadline(server_factory: ServerFactory) -
         assert c.get_into(key, out) and out[0] == 7
 
 
+@pytest.mark.process
 def test_a_put_claiming_2_62_bytes_is_refused_at_once(server_factory: ServerFactory) -> None:
     server = server_factory(io_timeout_s=30)
     huge = 1 << 62

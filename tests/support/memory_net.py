@@ -51,6 +51,7 @@ from kvstore.observe.counters import NodeCounters
 from kvstore.server.auth import TokenTable
 from kvstore.server.gateway import Gateway, WriteItem
 from kvstore.server.layered import LayeredWrite
+from kvstore.server.quotas import Quotas
 from kvstore.server.service import StoreServicer
 from kvstore.tenants import Principal
 from kvstore.wire.auth import bearer_metadata
@@ -65,8 +66,9 @@ _instances = itertools.count(1)
 
 class MemoryServer:
     """One ``kvstore serve`` in this process, without listeners: a StoreNode (owned:
-    closed with the server), its Gateway, tokens and the gRPC servicer, whose handlers
-    run on a private event loop thread like grpc.aio's."""
+    closed with the server), its Gateway (with the tokens file's quotas, as the server
+    builds it), tokens and the gRPC servicer, whose handlers run on a private event loop
+    thread like grpc.aio's."""
 
     def __init__(
         self,
@@ -82,7 +84,7 @@ class MemoryServer:
         self.port = int(port)
         self.config = config or ServerConfig(**{"auth_token": TOKEN, **kw})
         self.tokens = tokens or TokenTable.from_config(self.config)
-        self.gateway = Gateway(node, self.config)
+        self.gateway = Gateway(node, self.config, quotas=Quotas.from_config(self.config))
         self.instance_id = f"mem-{next(_instances)}"
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="mem-server")
         self.servicer = StoreServicer(self.gateway, self.tokens, self.info, self._pool)
