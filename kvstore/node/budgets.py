@@ -20,7 +20,7 @@ the reservations in flight, and checks a budget when one of its namespaces claim
 Reservations live in the top tier, so their bytes count against the top tier's limit
 too: a tenant cannot hold more of it in half-written blocks than in stored ones.
 
-Not thread-safe: :class:`Ledger` is the index's (kvstore/node/index.py) and runs under
+Not thread-safe: :class:`Ledger` is the index's (kvstore/node/state.py) and runs under
 its lock; a Budget is a frozen value, replaced whole when a tenant gains a namespace.
 """
 

@@ -3,10 +3,11 @@
 A full tier makes room by demoting its policy's victim one tier down (HBM -> DRAM ->
 SSD); the last tier drops it. An SSD hit is promoted back to the top tier, and its SSD
 record stays as a kept copy (so a restart still has it, and demoting it again writes
-nothing) until the SSD needs the room (kvstore/node/index.py). Admin evictions demote
+nothing) until the SSD needs the room (kvstore/node/state.py). Admin evictions demote
 or drop what a filter selects. A block is read from exactly one tier. The mover asks
-the index (index.py) for every decision and copies bytes only between its calls, never
-under the index's lock: see the contract there.
+the index for every decision (claims.py for room, moves.py for each step of a move)
+and copies bytes only between its calls, never under the index's lock: see the
+contract in state.py.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from kvstore.errors import (
     QuotaExceeded,
 )
 from kvstore.node.eviction import BlockFilter, EvictResult
-from kvstore.node.index import BlockIndex, Entry
+from kvstore.node.index import BlockIndex
+from kvstore.node.state import Entry
 from kvstore.observe.counters import NodeCounters
 from kvstore.tier_kinds import TierKind
 from kvstore.tiers.base import HostPayload, Payload, Tier
@@ -43,6 +45,8 @@ class TierMover:
     def __init__(self, tiers: Sequence[Tier], index: BlockIndex, counters: NodeCounters) -> None:
         self._tiers = tiers
         self._index = index
+        self._claims = index.claims
+        self._moves = index.moves
         self._counters = counters
 
     def make_room(
@@ -58,13 +62,13 @@ class TierMover:
         """A place for ``size`` bytes in tier ``level``, demoting victims one tier down
         (outside the index's lock) until there is one. None when ``unless_stored`` is
         given and that key is stored. BlockTooLarge when it could never fit.
-        ``fp``, ``reservation`` and ``spare_own``: see BlockIndex.claim (a namespace's
+        ``fp``, ``reservation`` and ``spare_own``: see Claims.claim (a namespace's
         budget)."""
         tier = self._tiers[level]
         if not tier.fits_ever(size):
             raise BlockTooLarge(f"block of {size} bytes exceeds the {tier.kind.value} tier")
         for _ in range(_ROUNDS):
-            room = self._index.claim(
+            room = self._claims.claim(
                 level, size, unless_stored, fp=fp, reservation=reservation, spare_own=spare_own
             )
             if room.victim is None:
@@ -82,7 +86,7 @@ class TierMover:
         except KVStoreError as exc:
             log.warning("demotion of %s failed, dropping it: %s", e.key.hex(), exc)
         finally:  # whatever happened, the victim stops MOVING and waiters are woken
-            self._index.end_demotion(e, level + 1, place)
+            self._moves.end_demotion(e, level + 1, place)
 
     def _copy_down(self, e: Entry, level: int) -> int:
         src = self._tiers[level].payload(e.place, e.header.payload_len)
@@ -110,7 +114,7 @@ class TierMover:
         gone (counted; the block is dropped).
         """
         n = e.header.payload_len
-        promote = self._index.begin_promotion(e, level)
+        promote = self._moves.begin_promotion(e, level)
         place: int | None = None
         if promote:
             try:
@@ -127,13 +131,13 @@ class TierMover:
             self._counters.inc("corrupt_blocks" if isinstance(exc, CorruptBlock) else "lost_blocks")
             kind = self._tiers[level].kind.value
             log.warning("%s block %s unreadable: %s", kind, e.key.hex(), exc)
-            self._index.end_promotion(e, place, ok=False)
+            self._moves.end_promotion(e, place, ok=False)
             return None
         if not promote:
             return dst, -1
         if place is not None:
             top.seal(place, e.header)
-        if self._index.end_promotion(e, place, ok=True):
+        if self._moves.end_promotion(e, place, ok=True):
             assert place is not None
             return dst, place
         if place is None:
@@ -168,9 +172,9 @@ class TierMover:
         res.next_tier = self._tiers[level + 1].kind.value if demotes else ""
         skipped: set[bytes] = set()
         if not demotes and not dry_run:  # copies of promoted blocks go before blocks
-            self._index.drop_kept(level, target_bytes)
+            self._moves.drop_kept(level, target_bytes)
         for _round in range(64):
-            plan, projected = self._index.plan_eviction(level, target_bytes, flt, skipped)
+            plan, projected = self._moves.plan_eviction(level, target_bytes, flt, skipped)
             res.blocks.extend(plan[: max(list_limit - len(res.blocks), 0)])
             if dry_run:
                 res.used_after = projected
@@ -187,7 +191,7 @@ class TierMover:
     def _evict_one(
         self, level: int, key: bytes, target: int, res: EvictResult, skipped: set[bytes]
     ) -> bool:
-        taken = self._index.take_for_eviction(level, key, target, res, skipped)
+        taken = self._moves.take_for_eviction(level, key, target, res, skipped)
         if isinstance(taken, bool):  # dropped or settled (counted), or nothing done
             return taken
         self._demote(taken, level)

@@ -1,12 +1,13 @@
 """StoreNode: one host's share of the pool, behind put / get / get_into / exists.
 
 Writes land in the fastest tier (HBM if configured, else DRAM) in two phases:
-reserve space, fill it, commit (checksum, header, visible) or abort. Reads pin a
-block, copy it straight into the caller's buffer and unpin. Where blocks live is the
-BlockIndex's (index.py, which owns the one lock and writes down its contract); how
-their bytes move between tiers is the TierMover's (mover.py). A block is visible only
-after its commit because a reservation is not in the index. A reservation takes the
-index's lock once (more only to make room) and a commit once.
+reserve space, fill it, commit (checksum, header, visible) or abort: the WritePath's
+(writes.py, with the Reservation record). Reads pin a block, copy it straight into the
+caller's buffer and unpin, here. Where blocks live is the BlockIndex's (index.py,
+which owns the one lock; its contract is written in state.py); how their bytes move
+between tiers is the TierMover's (mover.py). A block is visible only after its commit
+because a reservation is not in the index. A reservation takes the index's lock once
+(more only to make room) and a commit once; a read pins and unpins, once each.
 
 A server may give a set of namespaces a Budget (:meth:`StoreNode.set_budget`,
 budgets.py): reservations and room-making for those namespaces then stay within it,
@@ -15,29 +16,22 @@ and an over-budget namespace makes room from its own blocks only.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.blocks import HEADER_SIZE, KIND_BYTES, BlockHeader, ValueInfo, describe, materialize
+from kvstore.blocks import BlockHeader, ValueInfo, describe, materialize
 from kvstore.config import NodeConfig
-from kvstore.errors import (
-    BlockTooLarge,
-    ClosedError,
-    CorruptBlock,
-    InvalidValue,
-    KVStoreError,
-    ReservationError,
-    StorageError,
-)
+from kvstore.errors import ClosedError, KVStoreError
 from kvstore.events import BlockEvent, EventQueue
 from kvstore.keys import BlockKey, Namespace, as_key
 from kvstore.node.budgets import Budget, Usage
 from kvstore.node.eviction import BlockFilter, EvictResult
-from kvstore.node.index import BlockIndex, Entry
+from kvstore.node.index import BlockIndex
 from kvstore.node.mover import TierMover
+from kvstore.node.state import Entry
+from kvstore.node.writes import Reservation, WritePath
 from kvstore.observe.counters import NodeCounters
 from kvstore.shm.index import IndexWriter
 from kvstore.tier_kinds import TierKind
@@ -45,46 +39,9 @@ from kvstore.tiers.base import Payload, Tier
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.memory import MemoryTier
 
+# Reservation is defined in writes.py; it is named here too because StoreNode's
+# callers (kvstore/server) take it from the node's public module with BlockRead.
 __all__ = ["BlockRead", "Reservation", "StoreNode"]
-
-_ZERO_NS = b"\x00" * 16
-_NO_KEY = BlockKey(b"\x00" * 16)  # a credit's, until bind() names the block
-
-
-@dataclass(slots=True)
-class Reservation:
-    """Space for one block, reserved but not yet visible (phase one of a put).
-
-    Fill it, then pass it to :meth:`StoreNode.commit` or :meth:`StoreNode.abort`: write
-    ``payload`` (a writable host uint8 array of exactly ``info.nbytes``; where the tier
-    is on a device it is a staging buffer that the commit copies in) or call
-    :meth:`write` with a whole value. ``shm_offset`` is the extent a same-host writer
-    fills in the node's shared segment (-1 when the top tier is not shared).
-    """
-
-    key: BlockKey
-    info: ValueInfo
-    namespace_fp: bytes
-    level: int
-    offset: int
-    size: int
-    shm_offset: int
-    _bytes: Payload = field(repr=False)
-    _settle: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    @property
-    def payload(self) -> Any:
-        """The host buffer to fill (the stored bytes themselves in host memory)."""
-        return self._bytes.fill_buffer()
-
-    def write(self, value: Any) -> None:
-        """Fill the reservation with a whole value (tensor, array, bytes), in one copy."""
-        self._bytes.write(value)
-
-    @property
-    def done(self) -> bool:
-        """Whether it was committed or aborted."""
-        return self._settle.locked()
 
 
 @dataclass(slots=True)
@@ -139,6 +96,7 @@ class StoreNode:
         self._tiers: list[Tier] = []  # fastest first
         self._index = BlockIndex(self._tiers, c.policy, self.events, self.counters)
         self._mover = TierMover(self._tiers, self._index, self.counters)
+        self._writes = WritePath(c, self._tiers, self._index, self._mover, self.counters)
         self._closed = False
         try:
             if c.hbm_bytes:
@@ -238,29 +196,7 @@ class StoreNode:
         under the fingerprint it was written with (no layout check: that was done then).
         """
         self._check_open()
-        k = as_key(key)
-        if value_info.nbytes > self.config.max_value_bytes:
-            raise BlockTooLarge(
-                f"block of {value_info.nbytes} bytes exceeds max_value_bytes "
-                f"{self.config.max_value_bytes}"
-            )
-        nsfp = _ZERO_NS if namespace_fp is None else namespace_fp
-        if len(nsfp) != len(_ZERO_NS):
-            raise InvalidValue(f"namespace_fp is {len(nsfp)} bytes, expected {len(_ZERO_NS)}")
-        if namespace is not None:
-            value_info.check_layout(namespace.kv_layout)
-            nsfp = namespace.fingerprint()
-        size = HEADER_SIZE + value_info.nbytes
-        place = self._mover.make_room(0, size, unless_stored=k, fp=nsfp, reservation=True)
-        if place is None:
-            return None
-        top = self._tiers[0]
-        fill = top.payload(place, value_info.nbytes)
-        if fill is None:
-            self._index.discard(k, 0, place, reserved=(nsfp, size))
-            raise StorageError(f"the {top.kind.value} tier cannot take reservations")
-        shm_offset = place if top.shm_name is not None else -1
-        return Reservation(k, value_info, nsfp, 0, place, size, shm_offset, fill)
+        return self._writes.reserve(key, value_info, namespace, namespace_fp)
 
     def reserve_credit(self, nbytes: int, *, namespace: Namespace | None = None) -> Reservation:
         """Space in the top tier for a block of ``nbytes`` whose key is not known yet: a
@@ -270,22 +206,7 @@ class StoreNode:
         reservation, but never granted by evicting the namespace's own blocks
         (QuotaExceeded then); :meth:`bind` gives it its key, :meth:`abort` frees it."""
         self._check_open()
-        if nbytes > self.config.max_value_bytes:
-            raise BlockTooLarge(
-                f"block of {nbytes} bytes exceeds max_value_bytes {self.config.max_value_bytes}"
-            )
-        nsfp = _ZERO_NS if namespace is None else namespace.fingerprint()
-        size = HEADER_SIZE + nbytes
-        place = self._mover.make_room(0, size, fp=nsfp, reservation=True, spare_own=True)
-        assert place is not None  # only a key already stored gives no place
-        top = self._tiers[0]
-        fill = top.payload(place, nbytes)
-        if fill is None:
-            self._index.discard(_NO_KEY, 0, place, reserved=(nsfp, size))
-            raise StorageError(f"the {top.kind.value} tier cannot take reservations")
-        shm_offset = place if top.shm_name is not None else -1
-        info = ValueInfo("uint8", (nbytes,), KIND_BYTES, nbytes)
-        return Reservation(_NO_KEY, info, nsfp, 0, place, size, shm_offset, fill)
+        return self._writes.reserve_credit(nbytes, namespace)
 
     def bind(
         self,
@@ -300,28 +221,7 @@ class StoreNode:
         (the caller aborts it), when the block is not the credit's size or namespace,
         or does not fit the namespace's layout; ReservationError when the credit was
         bound or aborted already."""
-        k = as_key(key)
-        if info.nbytes != credit.info.nbytes:
-            raise InvalidValue(
-                f"a block of {info.nbytes} bytes in a credit of {credit.info.nbytes}"
-            )
-        nsfp = _ZERO_NS if namespace is None else namespace.fingerprint()
-        if nsfp != credit.namespace_fp:
-            raise InvalidValue("a credit reserved for another namespace")
-        if namespace is not None:
-            info.check_layout(namespace.kv_layout)
-        if not credit._settle.acquire(blocking=False):
-            raise ReservationError("the credit was used or aborted already")
-        return Reservation(
-            k,
-            info,
-            nsfp,
-            credit.level,
-            credit.offset,
-            credit.size,
-            credit.shm_offset,
-            credit._bytes,
-        )
+        return self._writes.bind(credit, key, info, namespace)
 
     def commit(
         self,
@@ -343,47 +243,24 @@ class StoreNode:
         them; the caller vouches that nothing else wrote the reservation meanwhile. A
         staged payload (a device's) is always hashed after its copy.
         """
-        if not res._settle.acquire(blocking=False):
-            raise ReservationError("reservation already committed or aborted")
-        info = res.info
-        try:
-            res._bytes.flush()
-            if landed_checksum is not None and res._bytes.fills_in_place:
-                csum = landed_checksum
-            else:
-                csum = res._bytes.checksum()
-            if expected_checksum is not None and csum != expected_checksum:
-                self.counters.inc("corrupt_transfer")
-                raise CorruptBlock("payload checksum mismatch after transfer")
-            header = BlockHeader(
-                info.dtype, info.shape, info.kind, res.key, res.namespace_fp, info.nbytes, csum
-            )
-            self._tiers[res.level].seal(res.offset, header)
-        except BaseException:
-            self._index.discard(res.key, res.level, res.offset, reserved=_reserved(res))
-            raise
-        if not self._index.commit(res.key, res.level, res.offset, header):
-            return False
-        self.counters.inc("puts")
-        self.counters.inc("bytes_in", info.nbytes)
-        return True
+        return self._writes.commit(res, expected_checksum, landed_checksum)
 
     def abort(self, res: Reservation) -> None:
         """Drop a reservation and free its space; aborting twice is harmless."""
-        if res._settle.acquire(blocking=False):
-            self._index.discard(res.key, res.level, res.offset, reserved=_reserved(res))
+        self._writes.abort(res)
 
     def put(self, key: bytes, value: Any, *, namespace: Namespace | None = None) -> bool:
         """Store one block (tensor, array or bytes). False if the key was already stored."""
-        res = self.reserve(key, describe(value), namespace=namespace)
+        self._check_open()
+        res = self._writes.reserve(key, describe(value), namespace, None)
         if res is None:
             return False
         try:
             res.write(value)
         except BaseException:
-            self.abort(res)
+            self._writes.abort(res)
             raise
-        return self.commit(res)
+        return self._writes.commit(res, None, None)
 
     def batch_put(
         self, keys: Sequence[bytes], values: Sequence[Any], *, namespace: Namespace | None = None
@@ -566,8 +443,3 @@ class StoreNode:
             "events_dropped": self.events.dropped,
             "counters": self.counters.snapshot(),
         }
-
-
-def _reserved(res: Reservation) -> tuple[bytes, int]:
-    """What the index counts a reservation under: (namespace fp, size)."""
-    return res.namespace_fp, res.size

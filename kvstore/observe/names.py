@@ -29,9 +29,10 @@ key                         exported as                                         
 anything else               ``kvstore_counter_total{counter="<key>"}``             any
 =========================== ====================================================== =====
 
-Who counts what. The node counts everything marked "node" (kvstore/node/index.py, mover.py,
-kvstore/node/store.py). The service (gateway, data server, maintenance) counts, in its own bag
-(``Gateway.counters``, summed with the node's at scrape time):
+Who counts what. The node counts everything marked "node" (kvstore/node/: index.py,
+claims.py, moves.py, state.py, mover.py, writes.py, store.py). The service (gateway,
+data server, maintenance) counts, in its own bag (``Gateway.counters``, summed with the
+node's at scrape time):
 
 - ``bytes_out_<path>``: payload bytes handed to a reader, once the read succeeded;
 - ``bytes_in_<path>``: payload bytes of a put that committed (``commit`` returned True);

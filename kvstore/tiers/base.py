@@ -13,7 +13,7 @@ needs to know which tier it is talking to, or copy device memory itself.
 
 Concurrency: tiers do no locking for the node. Space (``allocate``/``release``) is
 asked for under the node's index lock; bytes move outside it, on a place that a pin
-or a reservation keeps alive (kvstore/node/index.py).
+or a reservation keeps alive (kvstore/node/state.py).
 """
 
 from __future__ import annotations

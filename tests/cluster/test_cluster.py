@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +36,7 @@ from kvstore.directory.etcd_process import EtcdProcess, free_port
 from kvstore.events import BlockStored
 from kvstore.tier_kinds import TierKind
 from tests.support.server_process import ADMIN, ALPHA, ServerProcess, base_flags, principal_of
+from tests.support.waiting import wait_until
 
 pytest.importorskip("aetcd")
 
@@ -49,15 +50,6 @@ SCOPE = principal_of(ALPHA)
 def value_for(key: bytes) -> np.ndarray:
     """Bytes derived from the key, so a wrong block can never look right."""
     return np.frombuffer(hashlib.sha512(key).digest() * 32, dtype=np.uint8).copy()
-
-
-def wait_until(cond: Callable[[], bool], timeout: float, what: str) -> float:
-    start = time.monotonic()
-    while not cond():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"{what}: not within {timeout:.1f} s")
-        time.sleep(0.02)
-    return time.monotonic() - start
 
 
 def start_node(workdir: Path, node_id: str, etcd: str, cluster: str, **flags: Any) -> ServerProcess:
@@ -134,7 +126,7 @@ def test_registration_is_visible_to_nodes_and_ls(
     key = os.urandom(16)
     with pair.client(node_id="b") as c:
         assert c.put(key, value_for(key)) is True
-        wait_until(lambda: replicas(c, key) == {"b": TierKind.DRAM}, 5, "put reaches mirror")
+        wait_until(lambda: replicas(c, key) == {"b": TierKind.DRAM}, "put reaches mirror", within=5)
     entries = cli_json(capsys, "ls", *where, "--node", "b", "--prefix", SCOPE.scope(key).hex()[:8])
     assert [(e["node"], e["tier"]) for e in entries["entries"]] == [("b", "dram")]
 
@@ -155,7 +147,7 @@ def test_from_etcd_puts_to_chosen_node_and_gets_across_nodes(pair: Cluster) -> N
         assert cb.batch_put(kb, [value_for(k) for k in kb]) == [True] * 8
         assert ca.match_prefix(ka) == 8  # own puts count before the directory shows them
     with pair.client() as c:
-        wait_until(lambda: c.match_prefix(ka + kb) == 16, 5, "mirror shows both nodes' puts")
+        wait_until(lambda: c.match_prefix(ka + kb) == 16, "mirror shows both nodes' puts", within=5)
         assert c.exists([ka[0], os.urandom(16), kb[-1]]) == [True, False, True]
         assert c.longest_prefix(ka) == {"a": 8} and c.longest_prefix(kb) == {"b": 8}
         for k, got in zip(ka + kb, c.batch_get(ka + kb), strict=True):
@@ -167,7 +159,7 @@ def test_from_etcd_puts_to_chosen_node_and_gets_across_nodes(pair: Cluster) -> N
         assert served["served.a"] == 9 and served["served.b"] == 8
         assert c.remove(ka[:2]) == 2
         assert c.get(ka[0]) is None  # even while the mirror still lists it: a miss on a
-        wait_until(lambda: c.exists(ka[:3]) == [False, False, True], 5, "removal in mirror")
+        wait_until(lambda: c.exists(ka[:3]) == [False, False, True], "removal in mirror", within=5)
 
 
 def test_layer_by_layer_writes_through_a_cluster_client(pair: Cluster) -> None:
@@ -182,7 +174,7 @@ def test_layer_by_layer_writes_through_a_cluster_client(pair: Cluster) -> None:
             assert w.commit() == [True] * 3
         assert cb.match_prefix(keys) == 3  # before the directory shows them
     with pair.client() as c:
-        wait_until(lambda: c.match_prefix(keys) == 3, 5, "mirror shows the layered write")
+        wait_until(lambda: c.match_prefix(keys) == 3, "mirror shows the layered write", within=5)
         assert all(replicas(c, k) == {"b": TierKind.DRAM} for k in keys)
         for k, v in zip(keys, c.batch_get(keys), strict=True):
             assert np.array_equal(v, value_for(k).reshape(4, -1))
@@ -216,12 +208,12 @@ def test_gets_prefer_the_faster_tier(pair: Cluster) -> None:
     with pair.client(node_id="a") as ca, pair.client(node_id="b") as cb:
         ca.put(key, value_for(key))
         cb.put(key, value_for(key))
-        wait_until(lambda: len(replicas(ca, key)) == 2, 5, "both replicas in the mirror")
+        wait_until(lambda: len(replicas(ca, key)) == 2, "both replicas in the mirror", within=5)
     with pair.servers["a"].client(ADMIN) as admin:
         AdminClient(admin).evict("dram", 0)  # a's copy goes to SSD; b's stays in DRAM
     with pair.client() as c:
         want = {"a": TierKind.SSD, "b": TierKind.DRAM}
-        wait_until(lambda: replicas(c, key) == want, 5, "demotion reaches the mirror")
+        wait_until(lambda: replicas(c, key) == want, "demotion reaches the mirror", within=5)
         before = c.stats()["nodes"]["a"]["counters"].get("hits_ssd", 0)
         assert np.array_equal(c.get(key), value_for(key))
         assert c.counters.get("served.b") == 1 and not c.counters.get("served.a")
@@ -250,7 +242,11 @@ def test_fallback_past_a_stale_entry_and_a_dead_node(pair: Cluster) -> None:
     ):
         bg.call(register)
         assert c.batch_put([k_stale, k_dead], [value_for(k_stale), value_for(k_dead)])
-        wait_until(lambda: len(replicas(c, k_dead)) == len(replicas(c, k_stale)) == 2, 5, "mirror")
+        wait_until(
+            lambda: len(replicas(c, k_dead)) == len(replicas(c, k_stale)) == 2,
+            "both keys' replicas in the mirror",
+            within=5,
+        )
         assert [r.node_id for r in c.mirror.ranked(SCOPE.scope(k_dead))] == ["ghost", "b"]
         for key in (k_stale, k_dead):
             assert np.array_equal(c.get(key), value_for(key))
@@ -274,14 +270,14 @@ def test_sigkilled_node_under_readers(
             with cl.client(node_id=node) as w:
                 assert w.batch_put(ks, [value_for(k) for k in ks]) == [True] * len(ks)
         with cl.client(timeout_s=3.0) as reader:
-            wait_until(lambda: all(len(replicas(reader, k)) == 2 for k in ks), 5, "replicas")
+            wait_until(lambda: all(len(replicas(reader, k)) == 2 for k in ks), "replicas", within=5)
             stats = _read_while_killing(reader, ks, c_srv)
             assert stats["wrong"] == 0 and stats["errors"] == [], stats
             assert stats["after_kill"] > 0 and stats["hits"] > 0
             wait_until(
                 lambda: reader.mirror.node("c") is None and not reader.mirror.entries("c"),
-                TTL + 3,
                 "the dead node's entries vanish",
+                within=TTL + 3,
             )
             gone_after = time.monotonic() - stats["killed_at"]
             assert gone_after <= TTL + 1.0, f"entries outlived the kill by {gone_after:.2f} s"
@@ -327,7 +323,7 @@ def _read_while_killing(reader: ClusterClient, ks: list[bytes], victim: ServerPr
     for t in threads:
         t.start()
     started.wait()
-    wait_until(lambda: reader.counters.get("served.c") >= 64, 10, "readers warmed up on c")
+    wait_until(lambda: reader.counters.get("served.c") >= 64, "readers warmed up on c", within=10)
     os.kill(victim.pid, signal.SIGKILL)
     stats["killed_at"] = time.monotonic()
     killed.set()
@@ -366,7 +362,9 @@ def test_restarted_node_waits_out_its_old_lease(
             s.restart(signal.SIGKILL)  # same ports: the old record names our address
             took = time.monotonic() - t0
             m = bg.mirror
-            wait_until(lambda: (m.node("e") or old).epoch != old.epoch, 5, "new epoch in mirror")
+            wait_until(
+                lambda: (m.node("e") or old).epoch != old.epoch, "new epoch in mirror", within=5
+            )
             assert m.node("e").boot_id != old.boot_id  # type: ignore[union-attr]
             assert took <= TTL + 5
     finally:
@@ -394,7 +392,7 @@ def test_up_two_nodes_then_sigterm_stops_everything(tmp_path: Path) -> None:
             assert np.array_equal(c.get(key), value_for(key))
         up.send_signal(signal.SIGTERM)
         assert up.wait(30) == 0
-        wait_until(lambda: not any(_alive(p) for p in pids), 10, "every child gone")
+        wait_until(lambda: not any(_alive(p) for p in pids), "every child gone", within=10)
         assert not Path(doc["root"]).exists()
     finally:
         if up.poll() is None:

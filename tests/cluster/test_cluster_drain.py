@@ -26,10 +26,10 @@ from tests.cluster.test_cluster import (
     replicas,
     start_nodes,
     value_for,
-    wait_until,
 )
 from tests.support.background import Background
 from tests.support.server_process import ADMIN, ALPHA, BRAVO, ServerProcess, principal_of
+from tests.support.waiting import wait_until
 
 pytest.importorskip("aetcd")
 
@@ -66,7 +66,7 @@ class _Load(Background):
     def progress(self, n: int) -> None:
         """Wait until both loops did ``n`` more rounds (bounded)."""
         r, w = self.rounds + n, len(self.written) + n
-        wait_until(lambda: self.rounds >= r and len(self.written) >= w, 10, "load progress")
+        wait_until(lambda: self.rounds >= r and len(self.written) >= w, "load progress", within=10)
 
     def _write(self) -> None:
         while not self.stop.is_set():
@@ -106,7 +106,11 @@ def test_drain_moves_writes_off_the_node_and_no_request_fails(
     try:
         with cl.client(node_id="a") as writer, cl.client() as reader:
             assert writer.batch_put(old, [value_for(k) for k in old]) == [True] * 40
-            wait_until(lambda: all(replicas(reader, k) == {"a": TierKind.DRAM} for k in old), 5, "")
+            wait_until(
+                lambda: all(replicas(reader, k) == {"a": TierKind.DRAM} for k in old),
+                "the old blocks listed on a",
+                within=5,
+            )
             with _Load(writer, reader, old) as load:
                 load.progress(3)
                 assert writer.members.writer == "a"
@@ -115,15 +119,19 @@ def test_drain_moves_writes_off_the_node_and_no_request_fails(
                 # Written before the call returned: a fresh listing shows it at once.
                 nodes = nodes_doc(capsys, cl)
                 assert nodes["a"]["draining"] and not nodes["b"]["draining"]
-                wait_until(lambda: writer.mirror.node("a").draining, 5, "mirror sees the drain")  # type: ignore[union-attr]
+                wait_until(
+                    lambda: writer.mirror.node("a").draining,  # type: ignore[union-attr]
+                    "mirror sees the drain",
+                    within=5,
+                )
                 since = len(load.written) + 1  # one put may have been in flight
                 load.progress(5)
                 assert writer.members.writer == "b"
                 moved_on = load.written[since:]
                 wait_until(
                     lambda: all(replicas(reader, k) == {"b": TierKind.DRAM} for k in moved_on),
-                    5,
                     "puts after the drain are on b",
+                    within=5,
                 )
                 assert load.misses == load.wrong == 0 and load.errors == []  # a still serves
 
@@ -133,8 +141,8 @@ def test_drain_moves_writes_off_the_node_and_no_request_fails(
             assert load.errors == [] and load.wrong == 0, load.errors[:5]
             wait_until(
                 lambda: all(replicas(reader, k) == {"b": TierKind.DRAM} for k in old),
-                5,
                 "moved blocks are listed on b only",
+                within=5,
             )
             got = reader.batch_get(old)
             assert all(np.array_equal(v, value_for(k)) for k, v in zip(old, got, strict=True))
@@ -146,7 +154,11 @@ def test_drain_moves_writes_off_the_node_and_no_request_fails(
 
             assert main(["drain", a.address, "--undo", "--token", ADMIN.token]) == 0
             assert not nodes_doc(capsys, cl)["a"]["draining"]
-            wait_until(lambda: not writer.mirror.node("a").draining, 5, "undo reaches mirror")  # type: ignore[union-attr]
+            wait_until(
+                lambda: not writer.mirror.node("a").draining,  # type: ignore[union-attr]
+                "undo reaches mirror",
+                within=5,
+            )
             assert writer.members.write_order()[0] == "a"  # the node asked for, again
     finally:
         stop(cl)
@@ -178,7 +190,7 @@ def test_a_draining_node_that_loses_its_lease_re_registers_draining(
                 n = m.node("a")
                 return n is not None and n.epoch != before.epoch
 
-            wait_until(again, 10, "a re-registers under a new lease")
+            wait_until(again, "a re-registers under a new lease", within=10)
             assert m.node("a").draining  # type: ignore[union-attr]
     finally:
         stop(cl)

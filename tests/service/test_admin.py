@@ -44,6 +44,7 @@ from tests.support.server_process import (
     base_flags,
     principal_of,
 )
+from tests.support.waiting import wait_until
 
 if TYPE_CHECKING:
     from tests.support.server_fixtures import ServerFactory
@@ -324,10 +325,7 @@ def test_evict_to_a_byte_target_never_takes_a_pinned_block(
         dry = cli_json(capsys, "evict", *node, "--tier", "dram", "--to", "0%", "--dry-run")
         return int(dry["results"][0]["skipped_pinned"])
 
-    deadline = time.monotonic() + 5
-    while still_pinned():
-        assert time.monotonic() < deadline, "the closed connection's lease never ended"
-        time.sleep(0.02)
+    wait_until(lambda: not still_pinned(), "the closed connection's lease to end", within=5)
     r = cli_json(capsys, "evict", *node, "--tier", "dram", "--to", "0%")["results"][0]
     assert r["skipped_pinned"] == 0 and r["used_after"] == 0
 
@@ -465,10 +463,11 @@ class _Load(Background):
 
     def until(self, *, reads: int, writes: int, within: float = 20.0) -> None:
         """Wait until the load has done this many reads and writes (or failed)."""
-        deadline = time.monotonic() + within
-        while (self.reads < reads or self.writes < writes) and not self.errors:
-            assert time.monotonic() < deadline, f"load stuck at {self.reads} reads"
-            time.sleep(0.01)
+        wait_until(
+            lambda: (self.reads >= reads and self.writes >= writes) or self.errors,
+            f"the load to reach {reads} reads and {writes} writes",
+            within=within,
+        )
 
     def _write(self) -> None:
         try:

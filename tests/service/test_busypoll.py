@@ -40,6 +40,7 @@ from kvstore.wire.locality import host_id
 from kvstore.wire.polling import IdlePoller, same_process
 from tests.support.frame_pair import frame_pair
 from tests.support.server_process import ALPHA
+from tests.support.waiting import wait_until
 
 if TYPE_CHECKING:
     from tests.support.server_fixtures import ServerFactory
@@ -393,13 +394,6 @@ def _polls(srv: StoreServer) -> tuple[int, int]:
     return counters.get("data_polls_caught"), counters.get("data_polls_missed")
 
 
-def _until(cond: object, what: str, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
-        time.sleep(0.005)
-
-
 def _raw_gets(srv: StoreServer, pid: int, n: int) -> None:
     """A hand-made data connection claiming ``pid``: HELLO, then ``n`` EXISTS."""
     with socket.create_connection(("127.0.0.1", srv.data_port), timeout=5) as sock:
@@ -426,7 +420,7 @@ def test_the_server_polls_only_for_clients_of_other_processes() -> None:
     with _server_here(data_poll_us=5000, data_poll_crowded=True) as srv:
         _raw_gets(srv, os.getpid(), 20)
         assert _polls(srv) == (0, 0)
-        _until(lambda: _in_process_clients(srv) == 0, "in-process connection counted out")
+        wait_until(lambda: _in_process_clients(srv) == 0, "in-process connection counted out")
         _raw_gets(srv, os.getpid() + 1, 20)
         caught, missed = _polls(srv)
         assert caught + missed >= 10
@@ -461,7 +455,7 @@ def test_an_in_process_pair_never_polls_and_a_client_elsewhere_is_polled_for() -
                     assert got is not None and np.array_equal(got, v)
             assert _in_process_clients(srv) >= 1
         assert _polls(srv) == (0, 0)  # that client's connections: never polled for
-        _until(lambda: _in_process_clients(srv) == 0, "in-process connections counted out")
+        wait_until(lambda: _in_process_clients(srv) == 0, "in-process connections counted out")
         subprocess.run(
             [sys.executable, "-c", _REMOTE_CLIENT, address], cwd=ROOT, check=True, timeout=60
         )

@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import os
 import socket
-import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -212,10 +211,7 @@ def test_read_leases_go_back_with_the_next_request_or_when_idle(
         c.batch_put(keys, [kv_block(90), kv_block(91)])
         assert c.batch_get_into(keys, [torch.empty_like(kv_block(0)) for _ in keys]) == [True] * 2
         # Idle: the pool's flusher hands the two leases back within milliseconds.
-        deadline = time.monotonic() + 5
-        while c.stats()["server"]["leases"] and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert c.stats()["server"]["leases"] == 0
+        wait_until(lambda: c.stats()["server"]["leases"] == 0, "the leases handed back", within=5)
         # Busy: the next request carries them (and takes its own).
         c.get(keys[0])
         c.exists(keys)

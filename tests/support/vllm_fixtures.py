@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.support.waiting import wait_until
+
 __all__ = [
     "OTHER_ISA",
     "SMOL",
@@ -211,11 +213,7 @@ class EngineProcess:
         """Drop vLLM's local prefix cache, so the next hit can only come from the store.
         vLLM refuses while blocks are still in use (a request just finished): asked
         again until it agrees, within ``within`` seconds."""
-        deadline = time.monotonic() + within
-        while not self.call("reset"):
-            if time.monotonic() > deadline:
-                raise RuntimeError("vLLM kept refusing to reset its prefix cache")
-            time.sleep(0.05)
+        wait_until(lambda: self.call("reset"), "vLLM to reset its prefix cache", within=within)
 
     def _reply(self, timeout: float) -> Any:
         stdout = self.proc.stdout

@@ -62,8 +62,9 @@ def test_fit_needs_enough_samples() -> None:
 
 def test_default_coefficients_are_the_fit_of_the_stored_measurements() -> None:
     fit = fit_prefill_model(DEFAULT_SAMPLES)
-    assert fit.coeffs == DEFAULT_PREFILL.coeffs
-    assert fit.r2 == DEFAULT_PREFILL.r2
+    # a least-squares fit: its last digits vary with the BLAS and the core count
+    assert fit.coeffs == pytest.approx(DEFAULT_PREFILL.coeffs, rel=1e-9)
+    assert fit.r2 == pytest.approx(DEFAULT_PREFILL.r2, abs=1e-6)  # rounded to 6 places
     assert "measure_prefill" in DEFAULT_PREFILL.source
 
 

@@ -114,7 +114,7 @@ class _CountingLock:
 
 def test_a_put_asks_the_index_twice(node: StoreNode) -> None:
     lock = _CountingLock()
-    node._index._lock = lock  # type: ignore[assignment]
+    node._index.state.lock = lock  # type: ignore[assignment]
     assert node.put(_key(1), _value(1))
     assert lock.taken == 2  # claim room (key absent), commit
     lock.taken = 0

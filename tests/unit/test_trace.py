@@ -25,7 +25,7 @@ def test_parse_valid_lines() -> None:
     assert [r.line for r in reqs] == [1, 3]
     assert [r.index for r in reqs] == [0, 1]
     assert reqs[0].hash_ids == (1, 2) and reqs[0].input_length == 600
-    assert reqs[1].arrival_s == 0.005
+    assert reqs[1].arrival_s == pytest.approx(0.005)
 
 
 def test_limit_takes_a_prefix() -> None:

@@ -17,7 +17,7 @@ import pytest
 
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace, prefix_keys
-from kvstore.node import index
+from kvstore.node import claims
 from kvstore.node.store import StoreNode
 from kvstore.tier_kinds import TierKind
 
@@ -41,7 +41,7 @@ def test_concurrent_writers_wait_for_demotions_instead_of_failing(
     wait for the demotion, not fail. (The wait's bound is raised: on a machine busy
     enough, a demotion of 8 MiB can outlast the 2 s default, and the bound is not what
     this test is about.)"""
-    monkeypatch.setattr(index, "ROOM_WAIT_S", 30.0)
+    monkeypatch.setattr(claims, "ROOM_WAIT_S", 30.0)
     writers, per_writer = 4, 6
     keys = _keys(writers * per_writer, seed=1)
     with StoreNode(
