@@ -63,6 +63,20 @@ def _clean_kvstore_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
 
 
+# What ctypes.util.find_library runs to find a shared library: a first ``import torch``
+# (through cuda.pathfinder) can do that inside any test. It is a library lookup, not a
+# process the test starts.
+_LIBRARY_PROBES = frozenset({"ldconfig", "gcc", "cc", "ld", "objdump"})
+
+
+def _library_probe(argv: Any) -> bool:
+    if isinstance(argv, str | bytes | os.PathLike):
+        argv = [argv]
+    if not argv:
+        return False
+    return os.path.basename(os.fsdecode(argv[0])) in _LIBRARY_PROBES
+
+
 @pytest.fixture(autouse=True)
 def _processes_only_where_marked(
     request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
@@ -70,13 +84,16 @@ def _processes_only_where_marked(
     """Refuse to start a process from a test that is not marked ``process``."""
     if request.node.get_closest_marker("process") is not None:
         return
+    popen_init = subprocess.Popen.__init__
 
     def refuse(*args: Any, **kwargs: Any) -> Any:
+        if _library_probe(args[1] if len(args) > 1 else kwargs.get("args")):
+            return popen_init(*args, **kwargs)
         raise RuntimeError(
             f"{request.node.nodeid} starts a process: mark it @pytest.mark.process "
             "(or use a fixture listed in tests/conftest.py PROCESS_FIXTURES)"
         )
 
-    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)  # type: ignore[method-assign]
     monkeypatch.setattr(os, "fork", refuse)
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
