@@ -234,13 +234,13 @@ def test_the_gateway_refuses_a_new_namespace_past_the_limit_before_storing() -> 
     with StoreNode(NodeConfig(dram_bytes=1 << 20)) as node:
         gw = Gateway(node, config)
         layout = "float32:L2:H2:D8:B4"
-        assert gw.namespace(alpha, "m0", layout) is not None
-        assert gw.namespace(alpha, "m1", layout) is not None
+        assert gw.books.namespace(alpha, "m0", layout) is not None
+        assert gw.books.namespace(alpha, "m1", layout) is not None
         with pytest.raises(LimitExceeded):
-            gw.namespace(alpha, "m2", layout)
-        assert gw.namespace(alpha, "m0", layout) is not None  # known ones still work
-        assert gw.namespace(bravo, "m2", layout) is not None  # another tenant's own share
-        assert len(gw.names) == 3
+            gw.books.namespace(alpha, "m2", layout)
+        assert gw.books.namespace(alpha, "m0", layout) is not None  # known ones still work
+        assert gw.books.namespace(bravo, "m2", layout) is not None  # another tenant's own share
+        assert len(gw.books.names) == 3
 
 
 def test_model_names_are_bounded() -> None:
