@@ -81,6 +81,7 @@ class Session:
     def __init__(self, server: Server, fs: FrameSocket, conn_id: int) -> None:
         self.server = server
         self.gw = server.gateway
+        self.counters = server.gateway.books.counters  # one latency observation a request
         self.fs: FrameSocket | UcxFrames = fs
         self.id = conn_id
         self.p: Principal | None = None
@@ -223,7 +224,7 @@ class Session:
             self._handle(handler, op, meta, body_len)
         finally:
             path = self.path if timed[1] == "tcp" else timed[1]
-            self.gw.books.counters.observe(timed[0], path, time.perf_counter() - t0)
+            self.counters.observe(timed[0], path, time.perf_counter() - t0)
 
     def _handle(
         self, handler: Callable[[bytes, int], Message | None], op: int, meta: bytes, body_len: int
