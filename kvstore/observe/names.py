@@ -42,7 +42,7 @@ node's at scrape time):
 - latency: one ``counters.observe(op, path, seconds)`` (or ``with counters.time(...)``)
   per get/put request, ``op`` in get/put, ``path`` in shm/tcp/ucx.
 
-As implemented (kvstore/server/gateway.py, dataserver.py; the gRPC control plane carries no
+As implemented (kvstore/server/books.py, session.py; the gRPC control plane carries no
 payloads): ``tcp`` is a payload carried on the data socket (over TCP or the same-host
 Unix socket alike), ``ucx`` the same on a connection moved to UCX, ``shm`` an extent
 handed over under a lease (LEASE reads, RESERVE + COMMIT writes); a LEASE reply's blocks

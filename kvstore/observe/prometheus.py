@@ -9,7 +9,7 @@ dict entry in NodeCounters). Names and the counter-key contract: kvstore/observe
 Wiring for ``kvstore serve`` (prometheus-client comes with the ``metrics`` extra)::
 
     from kvstore.observe.prometheus import MetricsServer, node_registry
-    reg = node_registry(node, counters=[gateway.counters], gauges=gateway.gauges)
+    reg = node_registry(node, counters=[gateway.books.counters], gauges=gateway.gauges)
     metrics = MetricsServer(reg, host=cfg.metrics_host, port=cfg.metrics_port).start()
     ...                                   # metrics.port is the bound port
     metrics.stop()

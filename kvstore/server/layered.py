@@ -11,9 +11,10 @@ arrive. Nothing is visible before the commit; an abort (the writer went away, a 
 never came) releases every reservation.
 
 The front ends drive it: the data socket receives each layer range straight into
-:meth:`LayeredWrite.target` (kvstore/server/dataserver.py); an in-process caller copies
-into it. A block's layer ``l`` is the contiguous byte run ``[l * per, (l + 1) * per)`` of
-its payload (the layer is the outermost dimension of a KV block, kvstore/blocks.py).
+:meth:`LayeredWrite.target` (the gateway asks the session's receiver for it,
+kvstore/server/write_batch.py); an in-process caller copies into it. A block's layer
+``l`` is the contiguous byte run ``[l * per, (l + 1) * per)`` of its payload (the layer
+is the outermost dimension of a KV block, kvstore/blocks.py).
 """
 
 from __future__ import annotations

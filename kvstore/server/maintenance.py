@@ -94,7 +94,7 @@ class Maintenance:
             raise InvalidValue(f"idle_s must be >= 0, got {spec.idle_s}")
         namespaces = None
         if spec.tenant or spec.model:
-            namespaces = self.gw.names.select(spec.tenant, spec.model)
+            namespaces = self.gw.books.names.select(spec.tenant, spec.model)
         flt = BlockFilter(namespaces, spec.key_prefix, spec.idle_s)
         res = self.node.evict_where(
             kind, spec.target_bytes, flt, dry_run=spec.dry_run, list_limit=spec.list_limit
@@ -122,7 +122,7 @@ class Maintenance:
         if spec is not None and (spec.tenant or spec.model or spec.key_prefix):
             namespaces = None
             if spec.tenant or spec.model:
-                namespaces = self.gw.names.select(spec.tenant, spec.model)
+                namespaces = self.gw.books.names.select(spec.tenant, spec.model)
             flt = BlockFilter(namespaces, spec.key_prefix)
         n = min(max(limit, 1), MAX_SCAN)
         rows = self.node.scan(n + 1, kind, flt)
@@ -145,11 +145,11 @@ class Maintenance:
                 budget -= blk.header.payload_len
                 if budget < 0:
                     raise LimitExceeded("exported payloads exceed one message; export fewer keys")
-                tenant, model = self.gw.names.get(blk.header.namespace_fp) or ("", "")
+                tenant, model = self.gw.books.names.get(blk.header.namespace_fp) or ("", "")
                 out.append(ExportedBlock(blk.header.pack(), blk.host().tobytes(), tenant, model))
             finally:
                 self.node.close_read(blk)
-        self.gw.counters.inc("exported_blocks", sum(1 for o in out if o is not None))
+        self.gw.books.counters.inc("exported_blocks", sum(1 for o in out if o is not None))
         return out
 
     def import_blocks(self, p: Principal, items: Sequence[ImportItem]) -> list[bool | KVStoreError]:
@@ -166,7 +166,7 @@ class Maintenance:
                 out.append(self._import_one(item))
             except KVStoreError as exc:
                 out.append(exc)
-        self.gw.counters.inc("imported_blocks", sum(1 for o in out if o is True))
+        self.gw.books.counters.inc("imported_blocks", sum(1 for o in out if o is True))
         return out
 
     def _import_one(self, item: ImportItem) -> bool:
@@ -192,12 +192,12 @@ class Maintenance:
 
     def _record_names(self, item: ImportItem) -> None:
         if item.tenant and item.model:
-            self.gw.names.add(item.namespace_fp, item.tenant, item.model)
+            self.gw.books.names.add(item.namespace_fp, item.tenant, item.model)
 
     def purge(self, p: Principal, keys: Sequence[bytes]) -> int:
         """Remove stored keys; how many were present (pinned ones go at last unpin)."""
         p.require_admin("purge")
         self.gw.check_batch(len(keys))
         n = self.node.remove([as_key(k) for k in keys])
-        self.gw.counters.inc("purged_blocks", n)
+        self.gw.books.counters.inc("purged_blocks", n)
         return n

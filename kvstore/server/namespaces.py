@@ -3,7 +3,7 @@
 A block header carries only its namespace's 16-byte fingerprint (kvstore/blocks.py), a
 hash of (model, layout, tenant). An operator selects blocks by name (``kvstore evict
 --tenant``, ``kvstore ls --namespace``), so the server keeps the reverse map here. It is
-fed by every scope the server resolves for a request (kvstore/server/gateway.py) and by the
+fed by every scope the server resolves for a request (kvstore/server/books.py) and by the
 names a drain carries with the blocks it imports (kvstore/server/maintenance.py); the admin
 filters read it. One entry per namespace, never per block.
 

@@ -16,9 +16,10 @@ Every field is optional, and a tenant without a table is unlimited (as before qu
 A limit is a positive whole number of bytes (sizes as in every setting:
 kvstore/config.py ``parse_size``) or of reservations.
 
-How they are enforced (kvstore/server/gateway.py hands each tenant's quota to the node
-as a Budget over the fingerprints of its namespaces; kvstore/node/budgets.py applies it
-under the index's lock, where blocks are stored, moved and removed):
+How they are enforced (the gateway's books, kvstore/server/books.py, hand each tenant's
+quota to the node as a Budget over the fingerprints of its namespaces;
+kvstore/node/budgets.py applies it under the index's lock, where blocks are stored,
+moved and removed):
 
 - A put that would take the tenant past ``reservations`` or ``reserved_bytes`` is
   refused before anything is reserved (``QuotaExceeded``, code ``quota_exceeded``);

@@ -149,7 +149,7 @@ class StoreServer:
                 "metrics_port: needs prometheus-client (pip install 'kvstore[metrics]')"
             ) from None
         assert self.node is not None
-        registry = node_registry(self.node, counters=[gw.counters], gauges=gw.gauges)
+        registry = node_registry(self.node, counters=[gw.books.counters], gauges=gw.gauges)
         self._metrics = MetricsServer(registry, host=c.metrics_host, port=c.metrics_port)
         self.metrics_port = self._metrics.start().port
 

@@ -199,7 +199,7 @@ class StoreServicer(pb_grpc.StoreServicer):
         rows, more = await self._run(self.admin.scan, p, req.limit, req.tier, spec)  # walks index
         resp = pb.ScanResponse(more=more)
         for key, tier, size, fp in rows:
-            tenant, model = self.gw.names.get(fp) or ("", "")
+            tenant, model = self.gw.books.names.get(fp) or ("", "")
             resp.blocks.add(key=key, tier=tier.value, size=size, tenant=tenant, model=model)
         return resp
 

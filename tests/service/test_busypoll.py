@@ -390,7 +390,7 @@ def _in_process_clients(srv: StoreServer) -> int:
 
 def _polls(srv: StoreServer) -> tuple[int, int]:
     assert srv._gateway is not None
-    counters = srv._gateway.counters
+    counters = srv._gateway.books.counters
     return counters.get("data_polls_caught"), counters.get("data_polls_missed")
 
 

@@ -44,7 +44,8 @@ from hypothesis import strategies as st
 from kvstore import StoreClient
 from kvstore._proto import store_pb2 as pb
 from kvstore.errors import TimeoutError_, TransportError
-from kvstore.server.dataserver import HELLO_MAX_META, _parse
+from kvstore.server.dataserver import HELLO_MAX_META
+from kvstore.server.frame_codec import parse
 from kvstore.wire.auth import bearer_metadata
 from kvstore.wire.frames import HEADER, MAGIC, PROTOCOL, REPLY, FrameSocket, Op, ProtocolError
 from tests.support.server_process import ADMIN, ALPHA, ServerProcess, base_flags
@@ -56,7 +57,7 @@ FUZZ = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 
-# The metadata message of each request op (what kvstore/server/dataserver.py parses).
+# The metadata message of each request op (what the data socket's frame handlers parse).
 OP_MESSAGES: dict[int, type[Message]] = {
     Op.HELLO: pb.Hello,
     Op.GET: pb.GetRequest,
@@ -185,7 +186,7 @@ def _read_frames(fs: FrameSocket, *, idle: bool) -> BaseException | None:
             meta = fs.recv_bytes(meta_len)
             cls = OP_MESSAGES.get(op)
             if cls is not None:
-                _parse(cls, meta)  # ProtocolError when undecodable
+                parse(cls, meta)  # ProtocolError when undecodable
             if body_len > 4096:
                 return None
             fs.discard(body_len)

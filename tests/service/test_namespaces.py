@@ -171,9 +171,9 @@ def test_gateway_records_scopes_and_an_import_carries_names(tmp_path: Path) -> N
     gw_b = Gateway(dst, cfg)
     try:
         alpha = Principal("alpha")
-        ns = gw_a.namespace(alpha, "m1", LAYOUT)
+        ns = gw_a.books.namespace(alpha, "m1", LAYOUT)
         assert ns is not None and ns.fingerprint() == Namespace("m1", LAYOUT, "alpha").fingerprint()
-        assert gw_a.names.get(ns.fingerprint()) == ("alpha", "m1")
+        assert gw_a.books.names.get(ns.fingerprint()) == ("alpha", "m1")
         v = np.full((1, 2, 1, 8, 1), 7, dtype=np.uint8)
         stored = alpha.scope(fp(1))  # where alpha's write of fp(1) lands, under its scope
         assert src.put(stored, v, namespace=ns)
@@ -189,7 +189,7 @@ def test_gateway_records_scopes_and_an_import_carries_names(tmp_path: Path) -> N
             ADMIN, [item(fp(5), tenant="alpha"), item(stored, tenant="alpha", model="m1")]
         )
         assert isinstance(half, InvalidValue) and whole is True
-        assert gw_b.names.select("alpha", "m1") == {ns.fingerprint()}
+        assert gw_b.books.names.select("alpha", "m1") == {ns.fingerprint()}
         rows, _ = admin_b.scan(ADMIN, 10, spec=ScanSpec("alpha", "m1"))
         assert [r[0] for r in rows] == [stored]
     finally:
@@ -234,13 +234,13 @@ def test_the_gateway_refuses_a_new_namespace_past_the_limit_before_storing() -> 
     with StoreNode(NodeConfig(dram_bytes=1 << 20)) as node:
         gw = Gateway(node, config)
         layout = "float32:L2:H2:D8:B4"
-        assert gw.namespace(alpha, "m0", layout) is not None
-        assert gw.namespace(alpha, "m1", layout) is not None
+        assert gw.books.namespace(alpha, "m0", layout) is not None
+        assert gw.books.namespace(alpha, "m1", layout) is not None
         with pytest.raises(LimitExceeded):
-            gw.namespace(alpha, "m2", layout)
-        assert gw.namespace(alpha, "m0", layout) is not None  # known ones still work
-        assert gw.namespace(bravo, "m2", layout) is not None  # another tenant's own share
-        assert len(gw.names) == 3
+            gw.books.namespace(alpha, "m2", layout)
+        assert gw.books.namespace(alpha, "m0", layout) is not None  # known ones still work
+        assert gw.books.namespace(bravo, "m2", layout) is not None  # another tenant's own share
+        assert len(gw.books.names) == 3
 
 
 def test_model_names_are_bounded() -> None:

@@ -49,10 +49,11 @@ from kvstore.errors import KVStoreError, TimeoutError_, TransportError, Unavaila
 from kvstore.node.store import BlockRead, StoreNode
 from kvstore.observe.counters import NodeCounters
 from kvstore.server.auth import TokenTable
-from kvstore.server.gateway import Gateway, WriteItem
+from kvstore.server.gateway import Gateway
 from kvstore.server.layered import LayeredWrite
 from kvstore.server.quotas import Quotas
 from kvstore.server.service import StoreServicer
+from kvstore.server.write_batch import UNHASHED, Filled, PayloadReceiver, WriteItem
 from kvstore.tenants import Principal
 from kvstore.wire.auth import bearer_metadata
 from kvstore.wire.codec import error_of, info_from_meta, meta_of, status_of
@@ -327,15 +328,8 @@ class MemoryTransport(Transport[MemorySession]):
             WriteItem(it.key, info_from_meta(meta_of(it.info)), it.sum, it.info.nbytes)
             for it in items
         ]
-        sources = iter(items)
-
-        def fill(target: Any, n: int) -> tuple[None, None]:
-            src = next(sources).data
-            if target is not None:
-                memoryview(target.data).cast("B")[:n] = memoryview(src).cast("B")[:n]
-            return None, None  # the item's own checksum; the commit hashes what landed
-
-        out = gw.write(conn.principal, scope.model, scope.layout, wire, fill, path="inproc")
+        rx = _Copies([it.data for it in items])
+        out = gw.write(conn.principal, scope.model, scope.layout, wire, rx, path="inproc")
         for it, r in zip(items, out, strict=True):
             results[it.index] = error_of(status_of(r)) if isinstance(r, KVStoreError) else r
         return results
@@ -362,6 +356,24 @@ class MemoryTransport(Transport[MemorySession]):
 
     def match_prefix(self, conn: MemorySession, keys: Sequence[bytes], deadline: float) -> int:
         return conn.gateway().match_prefix(conn.principal, keys)
+
+
+class _Copies(PayloadReceiver):
+    """A batch's values copied into their reservations in request order (an
+    in-process copy: no connection, nothing to time or cut)."""
+
+    def __init__(self, sources: Sequence[Any]) -> None:
+        self.sources = sources
+        self.next = 0  # the item whose payload the gateway asks for next
+
+    def receive(self, target: Any, nbytes: int) -> Filled:
+        src = self.sources[self.next]
+        self.next += 1
+        memoryview(target.data).cast("B")[:nbytes] = memoryview(src).cast("B")[:nbytes]
+        return UNHASHED  # the item's own checksum; the commit hashes what landed
+
+    def skip(self, nbytes: int) -> None:
+        self.next += 1
 
 
 class _MemoryLayers(LayerSink):

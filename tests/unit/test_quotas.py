@@ -15,8 +15,9 @@ from kvstore.blocks import HEADER_SIZE, checksum, describe
 from kvstore.config import NodeConfig, ServerConfig
 from kvstore.errors import ConfigError, InvalidValue, QuotaExceeded
 from kvstore.node.store import StoreNode
-from kvstore.server.gateway import Gateway, WriteItem
+from kvstore.server.gateway import Gateway
 from kvstore.server.quotas import Quotas
+from kvstore.server.write_batch import UNHASHED, Filled, PayloadReceiver, WriteItem
 from kvstore.tenants import Principal
 from kvstore.tier_kinds import TierKind
 
@@ -104,12 +105,21 @@ SIZE = HEADER_SIZE + VALUE.nbytes
 def _put(gw: Gateway, p: Principal, model: str, key: bytes) -> bool | Exception:
     item = WriteItem(key, describe(VALUE), checksum(VALUE), VALUE.nbytes)
 
-    def fill(target: Any, n: int) -> tuple[None, None]:
-        if target is not None:
-            target.data[:] = VALUE.view(np.uint8).reshape(-1)
-        return None, None  # the item's own checksum; the commit hashes what landed
+    return gw.write(p, model, LAYOUT, [item], _Value())[0]
 
-    return gw.write(p, model, LAYOUT, [item], fill)[0]
+
+class _Value(PayloadReceiver):
+    """VALUE copied into each reservation; the bytes of a skipped one noted."""
+
+    def __init__(self) -> None:
+        self.skipped: list[int] = []
+
+    def receive(self, target: Any, nbytes: int) -> Filled:
+        target.data[:] = VALUE.view(np.uint8).reshape(-1)
+        return UNHASHED  # the item's own checksum; the commit hashes what landed
+
+    def skip(self, nbytes: int) -> None:
+        self.skipped.append(nbytes)
 
 
 @pytest.fixture
@@ -137,10 +147,10 @@ def test_a_tenant_quota_spans_its_namespaces(gateway: Gateway) -> None:
 
 def test_a_tenant_with_a_quota_must_name_a_scope(gateway: Gateway) -> None:
     item = WriteItem(b"k" * 16, describe(VALUE), checksum(VALUE), VALUE.nbytes)
-    skipped: list[int] = []
-    out = gateway.write(Principal("alpha"), "", "", [item], lambda t, n: skipped.append(n))
+    rx = _Value()
+    out = gateway.write(Principal("alpha"), "", "", [item], rx)
     assert isinstance(out[0], InvalidValue) and "has a quota" in str(out[0])
-    assert skipped == [VALUE.nbytes]  # its bytes were read past, the stream stays in step
+    assert rx.skipped == [VALUE.nbytes]  # its bytes were read past, the stream stays in step
 
 
 def test_leased_writes_in_flight_are_bounded_per_tenant(gateway: Gateway) -> None:
@@ -157,7 +167,7 @@ def test_leased_writes_in_flight_are_bounded_per_tenant(gateway: Gateway) -> Non
     assert not isinstance(lease, Exception) and lease is not None
     left_s = (lease.expires_ns - time.monotonic_ns()) / 1e9
     assert 4.0 < left_s < gateway.fill_deadline_s(3 * VALUE.nbytes) + 0.01 < 6.0  # not 30 s
-    assert gateway.leases.end_owner(1) == 2
+    assert gateway.end_connection(1) == 2
     assert gateway.stats(alpha)[1]["quota_inflight@alpha"] == 0
 
 

@@ -13,7 +13,6 @@ against the xxh3 computed here.
 from __future__ import annotations
 
 import logging
-import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,6 +31,7 @@ from kvstore.errors import CorruptBlock, KVStoreError, TransportError, Unavailab
 from kvstore.observe.counters import NodeCounters
 from kvstore.wire.codec import error_of, meta_of
 from kvstore.wire.frames import Op
+from kvstore.wire.trailers import KEEP_TRAILER, SUM_TRAILER
 
 __all__ = [
     "Inbound",
@@ -47,9 +47,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_SUM = struct.Struct("<Q")  # a payload's xxh3 after it (PutRequest.sums_follow)
 _PIECE = 512 << 10  # a put's payload is sent and hashed in pieces this large
-_KEEP = struct.Struct("<QB")  # a layer-by-layer PUT's trailer: xxh3 and keep, per item
 
 
 def miss(get_into: bool) -> Any:
@@ -244,7 +242,7 @@ class TcpTransport(SocketTransport):
         req = pb.PutRequest(scope=scope, layers=layers)
         for key, info in zip(keys, infos, strict=True):
             req.items.add(key=key, meta=meta_of(info))
-        total = sum(info.nbytes + _KEEP.size for info in infos)
+        total = sum(info.nbytes + KEEP_TRAILER.size for info in infos)
         conn.send_only(Op.PUT, req, deadline, [], total)
         return _StreamedPut(conn, len(keys))
 
@@ -264,7 +262,7 @@ class TcpTransport(SocketTransport):
         req = pb.PutRequest(scope=scope, sums_follow=True)
         for it in items:
             req.items.add(key=it.key, meta=meta_of(it.info))
-        total = sum(it.info.nbytes + _SUM.size for it in items)
+        total = sum(it.info.nbytes + SUM_TRAILER.size for it in items)
         if not conn.on_ucx:
             conn.send_only(Op.PUT, req, deadline, [], total)
             for it in items:
@@ -275,14 +273,14 @@ class TcpTransport(SocketTransport):
                     conn.send_more([piece])
                     digest.update(piece)
                 it.sum = digest.intdigest()
-                conn.send_more([_SUM.pack(it.sum)])
+                conn.send_more([SUM_TRAILER.pack(it.sum)])
             return
         # over UCX a payload's send is not waited for (its receiver pulls it while this
         # thread hashes the next); read_reply waits for all of them
         conn.send_only(Op.PUT, req, deadline, [items[0].data], total, wait=False)
         for i, it in enumerate(items):
             it.sum = checksum(it.data)  # the payload is on its way; hashed from cache
-            after: list[Any] = [_SUM.pack(it.sum)]
+            after: list[Any] = [SUM_TRAILER.pack(it.sum)]
             if i + 1 < len(items):
                 after.append(items[i + 1].data)
             conn.send_more(after, wait=False)
@@ -300,7 +298,7 @@ class _StreamedPut(LayerSink):
         self.conn.send_more(parts)
 
     def finish(self, sums: Sequence[int], keep: Sequence[bool], deadline: float) -> list[Any]:
-        tail = b"".join(_KEEP.pack(s, k) for s, k in zip(sums, keep, strict=True))
+        tail = b"".join(KEEP_TRAILER.pack(s, k) for s, k in zip(sums, keep, strict=True))
         self.conn.fs.set_deadline(deadline)
         self.conn.send_more([tail])
         resp = self.conn.read_reply(Op.PUT, pb.PutResponse, deadline)
