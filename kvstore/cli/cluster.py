@@ -84,6 +84,11 @@ def _cluster_config(args: argparse.Namespace, **flags: Any) -> ClusterConfig:
 
 def add_parser(sub: Any) -> None:
     """Register ``up``, ``nodes`` and ``ls``."""
+    _add_up(sub)
+    _add_readers(sub)
+
+
+def _add_up(sub: Any) -> None:
     up = sub.add_parser(
         "up",
         help="run a local multi-process cluster (etcd + N nodes) until Ctrl-C",
@@ -116,6 +121,9 @@ def add_parser(sub: Any) -> None:
     _add_etcd_flags(up)
     up.set_defaults(func=_cmd_up)
 
+
+def _add_readers(sub: Any) -> None:
+    """``nodes`` and ``ls``: they read the directory, so they share its flags."""
     for name, helptext, example, fn in (
         ("nodes", "list the nodes registered in a cluster's directory", _NODES_EXAMPLE, _cmd_nodes),
         ("ls", "list block entries of a cluster's directory", _LS_EXAMPLE, _cmd_ls),
