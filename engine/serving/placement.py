@@ -1,9 +1,9 @@
-"""Where one request runs: engine/scheduler.py's cost model fed from the live cluster.
+"""Where one request runs: engine/planning/scheduler.py's cost model fed from the live cluster.
 
 Per request the router asks this module for a :class:`Route`:
 
 - **prefill**: every live prefill worker of the model becomes a scheduler
-  :class:`~engine.scheduler.Candidate`: its queue (the larger of what it reports in
+  :class:`~engine.planning.scheduler.Candidate`: its queue (the larger of what it reports in
   etcd and what this router sent it and has not heard back about) and the runs of the
   request's prefix its store node holds, by tier, read from the directory mirror in
   one pass (:class:`PrefixView`). A prefill worker reuses its own node's prefix, so
@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.scheduler import (
+from engine.planning.scheduler import (
     DEFAULT_PREFILL,
     Candidate,
     CostModel,

@@ -35,7 +35,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route as HttpRoute
 
-from engine.scheduler import Refusal
+from engine.planning.scheduler import Refusal
 from engine.serving.http_server import bind, serve_app
 from engine.serving.loading import load_tokenizer
 from engine.serving.metrics import RouterMetrics

@@ -101,7 +101,7 @@ def build_app(
                 "model": record.model,
                 "load": dataclasses.asdict(engine.load()),
                 "counters": engine.counters,
-                "store_up": engine.local.up if engine.local is not None else None,
+                "store_up": engine.local.available if engine.local is not None else None,
             }
         )
 
@@ -235,7 +235,7 @@ def _node_on_this_host(cluster: Any, wait_s: float = 15.0) -> str:
 
 def _store_clients(args: argparse.Namespace, namespace: Any) -> tuple[Any, Any, Any]:
     """(cluster client, local guarded store, node id -> guarded store)."""
-    from engine.serving.stores import GuardedStore
+    from engine.blockstore import GuardedStore
     from kvstore import StoreClient
 
     fast = {"timeout_s": 2.0, "connect_timeout_s": 2.0, "retries": 0}
@@ -253,7 +253,7 @@ def _store_clients(args: argparse.Namespace, namespace: Any) -> tuple[Any, Any, 
                     raise Unavailable(f"store node {nid!r} is not in the directory")
                 return StoreClient.connect(info.address, namespace=namespace, **fast)
 
-            guarded[node_id] = GuardedStore(connect)
+            guarded[node_id] = GuardedStore(connect, retry_after_s=2.0, spawn=None)
         return guarded[node_id]
 
     local = None

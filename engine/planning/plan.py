@@ -2,8 +2,8 @@
 
 An operator sizing DRAM and SSD for a prefill fleet wants one answer: how much
 prefill does this much cache save on *our* traffic, and is pooling the caches
-worth it. The command replays a Mooncake-format trace (engine/trace.py) through
-the real scheduler and eviction policies (engine/sim.py) with per-node caches,
+worth it. The command replays a Mooncake-format trace (engine/planning/trace.py) through
+the real scheduler and eviction policies (engine/planning/sim.py) with per-node caches,
 one pooled cache, or both, and prints a table (or ``--json``) and optionally a
 plot of hit rate against capacity, per-node vs pooled.
 
@@ -33,11 +33,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from engine.plan_plot import plot_sweep as _plot
-from engine.plan_plot import si as _si
-from engine.scheduler import DEFAULT_COST, SCHEDULERS, CostModel, PrefillModel
-from engine.sim import SimConfig, SimResult, prefix_reuse_bound, replay
-from engine.trace import BLOCK_TOKENS, TraceRequest, load_trace
+from engine.planning.plot import plot_sweep as _plot
+from engine.planning.plot import si as _si
+from engine.planning.scheduler import DEFAULT_COST, SCHEDULERS, CostModel, PrefillModel
+from engine.planning.sim import SimConfig, SimResult, prefix_reuse_bound, replay
+from engine.planning.trace import BLOCK_TOKENS, TraceRequest, load_trace
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.tiers.policy import POLICIES
 

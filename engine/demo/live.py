@@ -2,7 +2,7 @@
 
 Starts, as child processes of this one (engine/serving/stack.py): etcd, store nodes,
 prefill workers (each beside its own node), decode workers and the OpenAI-compatible
-router. Then the same conversations as the in-process demo (engine/demo.py) go
+router. Then the same conversations as the in-process demo (engine/demo/inproc.py) go
 through the router's ``/v1/chat/completions``, streamed, with the ``openai`` client:
 each turn's messages are the conversation so far (the answers the decode worker
 streamed back included) plus a new user question. Every answer says where it went
@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from engine.demo import QUESTIONS, SYSTEM, class_summary
+from engine.demo.inproc import QUESTIONS, SYSTEM, class_summary
 
 __all__ = ["LiveRequest", "LiveResult", "run_live_demo"]
 
@@ -175,7 +175,7 @@ def _scratch(model: str, prompts: list[list[int]]) -> tuple[list[float], int]:
     model's block bytes. Runs after the stack is stopped: the CPU is ours."""
     import torch
 
-    from engine.hf import HFKVAdapter
+    from engine.hf.adapter import HFKVAdapter
     from engine.serving.loading import load_model
 
     torch.set_num_threads(1)  # as each worker runs

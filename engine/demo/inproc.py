@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from engine.hf import HFKVAdapter
-from engine.models import load_smollm2, tiny_llama
-from engine.workers import DecodeWorker, PrefillWorker
+from engine.hf.adapter import HFKVAdapter
+from engine.hf.models import load_smollm2, tiny_llama
+from engine.hf.workers import DecodeWorker, PrefillWorker
 from kvstore.config import NodeConfig, parse_size
 from kvstore.node.store import StoreNode
 
