@@ -110,6 +110,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--trace", required=True, type=Path, help="Mooncake-format JSONL trace")
+    _add_cluster_arguments(p)
+    _add_replay_arguments(p)
+    p.set_defaults(func=run)
+
+
+def _add_cluster_arguments(p: argparse.ArgumentParser) -> None:
+    """The cluster the trace is replayed on: nodes, tiers, eviction, caches, scheduler."""
     p.add_argument("--nodes", type=int, default=10, help="prefill nodes (default 10)")
     p.add_argument(
         "--dram",
@@ -134,6 +141,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         )
     p.set_defaults(mode="both")
     p.add_argument("--scheduler", default="cache_aware", choices=sorted(SCHEDULERS))
+
+
+def _add_replay_arguments(p: argparse.ArgumentParser) -> None:
+    """How the replay runs and reports: output, slice, workers, SLO, time and cost model."""
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument(
         "--plot",
@@ -162,7 +173,6 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="fitted prefill coefficients (default: built-in CPU reference)",
     )
     p.add_argument("--kv-bytes-per-token", type=int, help="KV bytes per token for bytes moved")
-    p.set_defaults(func=run)
 
 
 def _cost(args: argparse.Namespace) -> CostModel:
