@@ -325,6 +325,7 @@ class Placer:
         for i, w in enumerate(pool):
             segs = tuple((_location(t), b) for t, b in runs.get(w.store_node, []))
             cands.append(Candidate(i, self._queue_s(w, sched.cost.prefill), segs))
+        got: tuple[WorkerRecord | None, WorkerRecord, Estimate] | Refusal
         if short:
             got = self._place_short(decodes, pool, cands, sched, n + max_tokens, n, nodes)
         else:

@@ -476,6 +476,23 @@ class Router:
         )
 
 
+def _check_context(req: GenRequest, prompt: Encoded, ctx: int) -> None:
+    """Refuse a prompt and answer over the model's context (the OpenAI error); a prompt
+    with a part left to the worker to tokenize is the worker's to check."""
+    n = len(prompt.ids)
+    if prompt.rest or n + req.max_tokens <= ctx:
+        return
+    what = "messages" if req.kind == "chat" else "prompt"
+    raise APIError(
+        400,
+        f"This model's maximum context length is {ctx} tokens. However, you requested "
+        f"{n + req.max_tokens} tokens ({n} in the {what}, {req.max_tokens} in the "
+        "completion). Please reduce the length of the prompt or completion.",
+        param=what,
+        code="context_length_exceeded",
+    )
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``kvstore router`` (also ``python -m engine.serving.router``)."""
     p.add_argument("--etcd", default=None, help="etcd HOST:PORT (KVSTORE_ETCD; 127.0.0.1:2379)")
@@ -520,20 +537,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def _check_context(req: GenRequest, prompt: Encoded, ctx: int) -> None:
-    """Refuse a prompt and answer over the model's context (the OpenAI error); a prompt
-    with a part left to the worker to tokenize is the worker's to check."""
-    n = len(prompt.ids)
-    if prompt.rest or n + req.max_tokens <= ctx:
-        return
-    what = "messages" if req.kind == "chat" else "prompt"
-    raise APIError(
-        400,
-        f"This model's maximum context length is {ctx} tokens. However, you requested "
-        f"{n + req.max_tokens} tokens ({n} in the {what}, {req.max_tokens} in the "
-        "completion). Please reduce the length of the prompt or completion.",
-        param=what,
-        code="context_length_exceeded",
-    )
