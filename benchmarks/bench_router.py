@@ -1,7 +1,7 @@
 """Live replay of a conversation-trace slice through the router, per placement policy.
 
 Question: does the cache-aware router beat the cache-blind ones on a real serving
-stack (TTFT p50/p99, goodput), does the simulator (engine/sim.py) predict the live hit
+stack (TTFT p50/p99, goodput), does the simulator (engine/planning/sim.py) predict the live hit
 rate, and what does the router's own decision cost?
 
 Setup (engine/serving/stack.py): etcd, one store node per prefill worker, ``--prefill``
@@ -43,7 +43,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.trace import TraceRequest, load_trace  # noqa: E402
+from engine.planning.trace import TraceRequest, load_trace  # noqa: E402
 
 TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
 VOCAB_LO, VOCAB_HI = 8, 500  # the tiny model's vocabulary, clear of its special tokens
@@ -182,9 +182,9 @@ def summarize(run: dict, slo_ttft: float, slo_tpot: float) -> dict:
 
 
 def simulate(reqs: list[dict], policy: str, args: argparse.Namespace, coeffs: Any) -> dict:
-    """engine/sim.py on the same slice: same arrivals, blocks, lengths and cluster."""
-    from engine.scheduler import DEFAULT_PREFILL, CostModel, PrefillModel
-    from engine.sim import SimConfig, replay
+    """engine/planning/sim.py on the same slice: same arrivals, blocks, lengths and cluster."""
+    from engine.planning.scheduler import DEFAULT_PREFILL, CostModel, PrefillModel
+    from engine.planning.sim import SimConfig, replay
 
     trace = [
         TraceRequest(

@@ -17,7 +17,7 @@ Four questions on ../shared/traces/conversation_trace.jsonl, anchor beside ours:
    ``--runs`` (target < 60 s).
 
 TTFT uses the default prefill model, fitted from a tiny Llama on this box's CPU
-(engine/scheduler.py DEFAULT_PREFILL); ``--measure`` re-measures and fits it here.
+(engine/planning/scheduler.py DEFAULT_PREFILL); ``--measure`` re-measures and fits it here.
 
     python benchmarks/bench_sched.py [--trace PATH] [--runs 3] [--measure] [--json]
 """
@@ -36,15 +36,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.scheduler import (
+from engine.planning.scheduler import (
     DEFAULT_COST,
     DEFAULT_PREFILL,
     SCHEDULERS,
     fit_prefill_model,
     measure_prefill,
 )
-from engine.sim import SimConfig, SimResult, prefix_reuse_bound, replay
-from engine.trace import TraceRequest, load_trace
+from engine.planning.sim import SimConfig, SimResult, prefix_reuse_bound, replay
+from engine.planning.trace import TraceRequest, load_trace
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
 README_LRU = {1000: 0.045, 6000: 0.141, 30000: 0.332, None: 0.374}

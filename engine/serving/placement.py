@@ -1,9 +1,9 @@
-"""Where one request runs: engine/scheduler.py's cost model fed from the live cluster.
+"""Where one request runs: engine/planning/scheduler.py's cost model fed from the live cluster.
 
 Per request the router asks this module for a :class:`Route`:
 
 - **prefill**: every live prefill worker of the model becomes a scheduler
-  :class:`~engine.scheduler.Candidate`: its queue (the larger of what it reports in
+  :class:`~engine.planning.scheduler.Candidate`: its queue (the larger of what it reports in
   etcd and what this router sent it and has not heard back about) and the runs of the
   request's prefix its store node holds, by tier, read from the directory mirror in
   one pass (:class:`PrefixView`). A prefill worker reuses its own node's prefix, so
@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.scheduler import (
+from engine.planning.scheduler import (
     DEFAULT_PREFILL,
     Candidate,
     CostModel,
@@ -325,32 +325,60 @@ class Placer:
         for i, w in enumerate(pool):
             segs = tuple((_location(t), b) for t, b in runs.get(w.store_node, []))
             cands.append(Candidate(i, self._queue_s(w, sched.cost.prefill), segs))
+        got: tuple[WorkerRecord | None, WorkerRecord, Estimate] | Refusal
         if short:
-            chosen = choose_decode(decodes, n + max_tokens, None, self.out, nodes)
-            if isinstance(chosen, Refusal):
-                return chosen
-            est = sched.cost.estimate(n, cands[pool.index(chosen)])
-            if self.slo_s is not None and est.ttft_s > self.slo_s:
-                return Refusal(
-                    f"no worker can meet the TTFT SLO of {self.slo_s * 1e3:.0f} ms: "
-                    f"the least loaded needs {est.ttft_s * 1e3:.0f} ms",
-                    est,
-                )
-            pre: WorkerRecord | None = None
-            dec = chosen
+            got = self._place_short(decodes, pool, cands, sched, n + max_tokens, n, nodes)
         else:
-            placed = sched.place(n, cands)
-            if isinstance(placed, Refusal):
-                return placed
-            est = placed.estimate
-            pre = pool[placed.node]
-            got = choose_decode(decodes, n + max_tokens, pre, self.out, nodes)
-            if isinstance(got, Refusal):
-                return got
-            dec = got
+            got = self._place_split(decodes, pool, cands, sched, n + max_tokens, n, nodes)
+        if isinstance(got, Refusal):
+            return got
+        pre, dec, est = got
         holder = pre or dec
         cached_blocks = min(
             sum(b for _, b in runs.get(holder.store_node, [])), (n - 1) // holder.block_tokens
         )
         tier = tier_label(runs.get(holder.store_node, []), cached_blocks)
         return Route(pre, dec, est, cached_blocks * holder.block_tokens, tier, keys)
+
+    def _place_short(
+        self,
+        decodes: Sequence[WorkerRecord],
+        pool: Sequence[WorkerRecord],
+        cands: Sequence[Candidate],
+        sched: Scheduler,
+        kv_tokens: int,
+        n: int,
+        nodes: Mapping[str, Any] | None,
+    ) -> tuple[None, WorkerRecord, Estimate] | Refusal:
+        """A short prompt: one decode worker runs it all, if it meets the TTFT SLO."""
+        chosen = choose_decode(decodes, kv_tokens, None, self.out, nodes)
+        if isinstance(chosen, Refusal):
+            return chosen
+        est = sched.cost.estimate(n, cands[pool.index(chosen)])
+        if self.slo_s is not None and est.ttft_s > self.slo_s:
+            return Refusal(
+                f"no worker can meet the TTFT SLO of {self.slo_s * 1e3:.0f} ms: "
+                f"the least loaded needs {est.ttft_s * 1e3:.0f} ms",
+                est,
+            )
+        return None, chosen, est
+
+    def _place_split(
+        self,
+        decodes: Sequence[WorkerRecord],
+        pool: Sequence[WorkerRecord],
+        cands: Sequence[Candidate],
+        sched: Scheduler,
+        kv_tokens: int,
+        n: int,
+        nodes: Mapping[str, Any] | None,
+    ) -> tuple[WorkerRecord, WorkerRecord, Estimate] | Refusal:
+        """The scheduler's prefill worker, then a decode worker for its handoff."""
+        placed = sched.place(n, cands)
+        if isinstance(placed, Refusal):
+            return placed
+        pre = pool[placed.node]
+        dec = choose_decode(decodes, kv_tokens, pre, self.out, nodes)
+        if isinstance(dec, Refusal):
+            return dec
+        return pre, dec, placed.estimate

@@ -82,7 +82,7 @@ class WorkerRecord:
 
     ``store_node`` is the id of the store node beside it (where its prefills write
     and read their prefix); ``zone`` a topology label (rack, zone) for placement.
-    ``prefill_coeffs`` is its fitted prefill time model (see engine/scheduler.py),
+    ``prefill_coeffs`` is its fitted prefill time model (see engine/planning/scheduler.py),
     measured at start on its own model and hardware, or None.
     """
 

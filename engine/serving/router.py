@@ -35,7 +35,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route as HttpRoute
 
-from engine.scheduler import Refusal
+from engine.planning.scheduler import Refusal
 from engine.serving.http_server import bind, serve_app
 from engine.serving.loading import load_tokenizer
 from engine.serving.metrics import RouterMetrics
@@ -211,61 +211,11 @@ class Router:
             )  # fmt: skip
         enc = await self.tokenizer(req.model)
         prompt = self.encode(enc, req, self.workers(req.model))
-        ids = prompt.ids
         tok = enc.tokenizer
         eos = sorted({i for i in (tok.eos_token_id,) if isinstance(i, int)})
-        exclude: set[str] = set()
-        started: Started | None = None
-        route: Route | None = None
-        for attempt in range(self.cfg.max_attempts):
-            workers = self.workers(req.model)
-            if not workers:
-                break
-            ctx = min(w.max_context for w in workers)
-            if not prompt.rest and len(ids) + req.max_tokens > ctx:  # else the worker checks
-                raise APIError(
-                    400,
-                    f"This model's maximum context length is {ctx} tokens. However, you "
-                    f"requested {len(ids) + req.max_tokens} tokens ({len(ids)} in the "
-                    f"{'messages' if req.kind == 'chat' else 'prompt'}, {req.max_tokens} in "
-                    "the completion). Please reduce the length of the prompt or completion.",
-                    param="messages" if req.kind == "chat" else "prompt",
-                    code="context_length_exceeded",
-                )
-            nodes = self.store_client.nodes() if self.store_client is not None else {}
-            placed = self.placer.place(
-                workers, ids, req.max_tokens, frozenset(exclude), nodes, n_tokens=prompt.n_tokens
-            )
-            if attempt == 0:
-                self.metrics.decision_s.observe(time.perf_counter() - t0)
-            if isinstance(placed, Refusal):
-                if attempt == 0:
-                    self.metrics.refusals.labels(self.cfg.policy).inc()
-                    raise APIError(
-                        429, f"Overloaded: {placed.reason}", type="rate_limit_error",
-                        code="ttft_slo", headers={"retry-after": str(self.cfg.retry_after_s)},
-                    )  # fmt: skip
-                break
-            route = placed
-            by_id = {w.worker_id: w for w in workers}
-            try:
-                started = await self._start(route, req, prompt, eos, enc)
-                break
-            except WorkerFailed as exc:
-                exclude.add(exc.worker_id)
-                self._failed(exc, by_id)
-            except WorkerRefused as exc:  # the request's fault: elsewhere would fail alike
-                e = exc.error
-                raise APIError(
-                    400, str(e.get("message", "bad request")),
-                    type=str(e.get("type") or "invalid_request_error"),
-                    param=e.get("param"), code=e.get("code"),
-                ) from exc  # fmt: skip
-        if started is None or route is None:
-            raise APIError(503, "No worker could serve the request.", type="server_error",
-                           code="no_worker")  # fmt: skip
+        started, route = await self._run(req, prompt, eos, enc, t0)
         ttft = time.perf_counter() - t0
-        n_prompt = int(started.info.get("prompt_tokens", len(ids)))
+        n_prompt = int(started.info.get("prompt_tokens", len(prompt.ids)))
         self.metrics.ttft.labels(self.cfg.policy).observe(ttft)
         self.metrics.prompt_tokens.inc(n_prompt)
         self.metrics.cached_tokens.inc(started.cached_tokens)
@@ -285,36 +235,57 @@ class Router:
             )
         return await self._whole(req, tok, started, route, n_prompt, kv, headers)
 
+    async def _run(
+        self, req: GenRequest, prompt: Encoded, eos: list[int], enc: PromptEncoder, t0: float
+    ) -> tuple[Started, Route]:
+        """Place the request and start it, placing it again without a worker that
+        failed, up to ``max_attempts``; raises the client's error when none could."""
+        exclude: set[str] = set()
+        for attempt in range(self.cfg.max_attempts):
+            workers = self.workers(req.model)
+            if not workers:
+                break
+            _check_context(req, prompt, min(w.max_context for w in workers))
+            nodes = self.store_client.nodes() if self.store_client is not None else {}
+            placed = self.placer.place(
+                workers, prompt.ids, req.max_tokens, frozenset(exclude), nodes,
+                n_tokens=prompt.n_tokens,
+            )  # fmt: skip
+            if attempt == 0:
+                self.metrics.decision_s.observe(time.perf_counter() - t0)
+            if isinstance(placed, Refusal):
+                if attempt == 0:
+                    self.metrics.refusals.labels(self.cfg.policy).inc()
+                    raise APIError(
+                        429, f"Overloaded: {placed.reason}", type="rate_limit_error",
+                        code="ttft_slo", headers={"retry-after": str(self.cfg.retry_after_s)},
+                    )  # fmt: skip
+                break
+            try:
+                return await self._start(placed, req, prompt, eos, enc), placed
+            except WorkerFailed as exc:
+                exclude.add(exc.worker_id)
+                self._failed(exc, {w.worker_id: w for w in workers})
+            except WorkerRefused as exc:  # the request's fault: elsewhere would fail alike
+                e = exc.error
+                raise APIError(
+                    400, str(e.get("message", "bad request")),
+                    type=str(e.get("type") or "invalid_request_error"),
+                    param=e.get("param"), code=e.get("code"),
+                ) from exc  # fmt: skip
+        raise APIError(503, "No worker could serve the request.", type="server_error",
+                       code="no_worker")  # fmt: skip
+
     async def _start(
         self, route: Route, req: GenRequest, prompt: Encoded, eos: list[int], enc: PromptEncoder
     ) -> Started:
         """Run the prefill (or the whole short request) until the first token is in."""
         rid = uuid.uuid4().hex
-        out = self.placer.out
-        dec = route.decode
-        ids, rest = prompt.ids, prompt.rest
-        reserve = prompt.n_tokens + req.max_tokens
-        svc = route.estimate.service_s if route.estimate is not None else 0.0
         if route.prefill is None:
-            self.metrics.decisions.labels(self.cfg.policy, "both", dec.worker_id).inc()
-            out.add(dec.worker_id, prefill_s=svc, running=1, kv=reserve)
-            try:
-                st = await self.upstream.generate(dec, rid, ids, req.max_tokens, eos, rest)
-            except BaseException:
-                out.add(dec.worker_id, running=-1, kv=-reserve)
-                raise
-            finally:
-                out.add(dec.worker_id, prefill_s=-svc)
-            out.finished(dec.worker_id)
-            st.info["release"] = (dec.worker_id, reserve)
-            st.info.setdefault("prompt_tokens", len(ids))
-            if rest:
-                self.metrics.worker_tokenized.inc()
-            shared = int(st.info.get("shared_blocks", -1))
-            if dec.store_node and shared > 0 and not rest:
-                self.placer.prefixes.note(dec.store_node, route.keys[:shared])
-            return st
-        pre = route.prefill
+            return await self._start_whole(route, req, prompt, eos, rid)
+        pre, dec, out = route.prefill, route.decode, self.placer.out
+        ids, rest = prompt.ids, prompt.rest
+        svc = route.estimate.service_s if route.estimate is not None else 0.0
         self.metrics.decisions.labels(self.cfg.policy, "prefill", pre.worker_id).inc()
         out.add(pre.worker_id, prefill_s=svc, running=1)
         try:
@@ -348,6 +319,33 @@ class Router:
             raise
         info["release"] = (dec.worker_id, reserve)
         return Started(first, cached, resp, info=info)
+
+    async def _start_whole(
+        self, route: Route, req: GenRequest, prompt: Encoded, eos: list[int], rid: str
+    ) -> Started:
+        """A short request, prefill and decode on one worker: until its first token."""
+        dec, out = route.decode, self.placer.out
+        ids, rest = prompt.ids, prompt.rest
+        reserve = prompt.n_tokens + req.max_tokens
+        svc = route.estimate.service_s if route.estimate is not None else 0.0
+        self.metrics.decisions.labels(self.cfg.policy, "both", dec.worker_id).inc()
+        out.add(dec.worker_id, prefill_s=svc, running=1, kv=reserve)
+        try:
+            st = await self.upstream.generate(dec, rid, ids, req.max_tokens, eos, rest)
+        except BaseException:
+            out.add(dec.worker_id, running=-1, kv=-reserve)
+            raise
+        finally:
+            out.add(dec.worker_id, prefill_s=-svc)
+        out.finished(dec.worker_id)
+        st.info["release"] = (dec.worker_id, reserve)
+        st.info.setdefault("prompt_tokens", len(ids))
+        if rest:
+            self.metrics.worker_tokenized.inc()
+        shared = int(st.info.get("shared_blocks", -1))
+        if dec.store_node and shared > 0 and not rest:
+            self.placer.prefixes.note(dec.store_node, route.keys[:shared])
+        return st
 
     def _release(self, st: Started) -> None:
         rel = st.info.pop("release", None)
@@ -476,6 +474,23 @@ class Router:
             ],
             lifespan=lifespan,
         )
+
+
+def _check_context(req: GenRequest, prompt: Encoded, ctx: int) -> None:
+    """Refuse a prompt and answer over the model's context (the OpenAI error); a prompt
+    with a part left to the worker to tokenize is the worker's to check."""
+    n = len(prompt.ids)
+    if prompt.rest or n + req.max_tokens <= ctx:
+        return
+    what = "messages" if req.kind == "chat" else "prompt"
+    raise APIError(
+        400,
+        f"This model's maximum context length is {ctx} tokens. However, you requested "
+        f"{n + req.max_tokens} tokens ({n} in the {what}, {req.max_tokens} in the "
+        "completion). Please reduce the length of the prompt or completion.",
+        param=what,
+        code="context_length_exceeded",
+    )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -23,13 +23,14 @@ from typing import Any
 
 import torch
 
-from engine.hf import HFKVAdapter
-from engine.scheduler import PrefillModel, PrefillSample, fit_prefill_model
+from engine.blockstore import GuardedStore, LayerWriter
+from engine.hf.adapter import HFKVAdapter
+from engine.hf.workers import DecodeWorker, Handoff, PrefillWorker, greedy_continue
+from engine.planning.scheduler import PrefillModel, PrefillSample, fit_prefill_model
 from engine.serving.loading import LoadedModel
 from engine.serving.prompts import PromptEncoder
 from engine.serving.registry import WorkerLoad
-from engine.serving.stores import GuardedStore, HandoffReader
-from engine.workers import DecodeWorker, Handoff, PrefillWorker, greedy_continue
+from engine.serving.stores import HandoffReader
 from kvstore.errors import KVStoreError
 
 __all__ = ["Faults", "WorkerEngine", "calibrate_prefill"]
@@ -276,8 +277,31 @@ class _NoStore:
     def get_into(self, key: bytes, out: Any, *, namespace: Any = None) -> bool:
         return False
 
+    def batch_put(self, keys: Sequence[bytes], values: Sequence[Any]) -> list[Any]:
+        raise KVStoreError("this worker has no store node")
+
+    def batch_get_into(
+        self,
+        keys: Sequence[bytes],
+        outs: Sequence[Any],
+        *,
+        layers: tuple[int, int] | None = None,
+    ) -> list[Any]:
+        return [False] * len(keys)
+
     def match_prefix(self, keys: Sequence[bytes]) -> int:
         return 0
+
+    def begin_layers(
+        self, keys: Sequence[bytes], *, shape: Sequence[int], dtype: Any
+    ) -> LayerWriter:
+        raise KVStoreError("this worker has no store node")
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        return 0
+
+    def close(self) -> None:
+        """Nothing is open."""
 
 
 CALIBRATION_POINTS: tuple[tuple[int, int], ...] = (

@@ -1,99 +1,25 @@
-"""The store as a serving worker sees it: a guarded local node and a handoff reader.
+"""How a decode worker reads a handoff: the nearest replica, then the node written to.
 
-A worker must keep serving when its store node dies: a store that cannot answer is
-a cache miss and a recompute, never a failed request (and never a request stuck on
-a dead node's timeout again and again). :class:`GuardedStore` wraps one client:
-after a failure it answers "miss" at once for ``backoff_s`` before trying the node
-again. :class:`HandoffReader` is what a decode worker reads a handoff through: the
-nearest replica the cluster directory knows first, then the node the prefill worker
+A worker's own store node sits behind the circuit breaker of engine/blockstore.py
+(``GuardedStore``): a node that cannot answer is a cache miss and a recompute, never a
+failed request. :class:`HandoffReader` is what a decode worker reads a handoff through:
+the nearest replica the cluster directory knows first, then the node the prefill worker
 wrote to (its blocks may not have reached the directory's watch yet).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
+from engine.blockstore import GuardedStore, LayerWriter
 from kvstore import Namespace
-from kvstore.errors import KVStoreError, Unavailable
+from kvstore.errors import KVStoreError
 
-__all__ = ["GuardedStore", "HandoffReader"]
+__all__ = ["HandoffReader"]
 
 log = logging.getLogger(__name__)
-
-
-class GuardedStore:
-    """A store client that turns failures into misses and skips a failed node a while.
-
-    ``connect`` opens the client (lazily, and again after a failure). Thread-safe.
-    """
-
-    def __init__(self, connect: Callable[[], Any], *, backoff_s: float = 2.0) -> None:
-        self._connect = connect
-        self._client: Any = None
-        self._down_until = 0.0
-        self._lock = threading.Lock()
-        self.backoff_s = backoff_s
-        self.failures = 0
-
-    def _get(self) -> Any:
-        with self._lock:
-            if time.monotonic() < self._down_until:
-                raise Unavailable("store node marked down after a failure")
-            if self._client is None:
-                try:
-                    self._client = self._connect()
-                except KVStoreError as exc:
-                    self._mark_down_locked(exc)
-                    raise
-            return self._client
-
-    def _mark_down_locked(self, exc: Exception) -> None:
-        self.failures += 1
-        self._down_until = time.monotonic() + self.backoff_s
-        client, self._client = self._client, None
-        log.warning("store node unavailable (%s); misses for %.1f s", exc, self.backoff_s)
-        if client is not None:
-            try:
-                client.close()
-            except Exception:  # closing a dead client may fail too
-                log.debug("closing a failed store client", exc_info=True)
-
-    def _call(self, fn: Callable[[Any], Any]) -> Any:
-        client = self._get()
-        try:
-            return fn(client)
-        except KVStoreError as exc:
-            if exc.retryable or isinstance(exc, Unavailable):
-                with self._lock:
-                    if self._client is client:
-                        self._mark_down_locked(exc)
-            raise
-
-    @property
-    def up(self) -> bool:
-        return time.monotonic() >= self._down_until
-
-    def put(self, key: bytes, value: Any, *, namespace: Namespace | None = None) -> bool:
-        return bool(self._call(lambda c: c.put(key, value, namespace=namespace)))
-
-    def get_into(self, key: bytes, out: Any, *, namespace: Namespace | None = None) -> bool:
-        return bool(self._call(lambda c: c.get_into(key, out, namespace=namespace)))
-
-    def match_prefix(self, keys: Sequence[bytes]) -> int:
-        return int(self._call(lambda c: c.match_prefix(keys)))
-
-    def remove(self, keys: Sequence[bytes]) -> int:
-        return int(self._call(lambda c: c.remove(keys)))
-
-    def close(self) -> None:
-        with self._lock:
-            client, self._client = self._client, None
-        if client is not None:
-            client.close()
 
 
 class HandoffReader:
@@ -110,6 +36,20 @@ class HandoffReader:
 
     def put(self, key: bytes, value: Any, *, namespace: Namespace | None = None) -> bool:
         raise KVStoreError("a handoff reader does not write")
+
+    def batch_put(self, keys: Sequence[bytes], values: Sequence[Any]) -> list[Any]:
+        raise KVStoreError("a handoff reader does not write")
+
+    def begin_layers(
+        self, keys: Sequence[bytes], *, shape: Sequence[int], dtype: Any
+    ) -> LayerWriter:
+        raise KVStoreError("a handoff reader does not write")
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        raise KVStoreError("a handoff reader does not write")
+
+    def close(self) -> None:
+        """The stores belong to the worker; nothing to release here."""
 
     def get_into(self, key: bytes, out: Any, *, namespace: Namespace | None = None) -> bool:
         if self.cluster is not None:
@@ -138,3 +78,15 @@ class HandoffReader:
             except KVStoreError:
                 continue
         return best
+
+    def batch_get_into(
+        self,
+        keys: Sequence[bytes],
+        outs: Sequence[Any],
+        *,
+        layers: tuple[int, int] | None = None,
+    ) -> list[Any]:
+        """Block by block, each from where :meth:`get_into` finds it (whole blocks only)."""
+        if layers is not None:
+            raise KVStoreError("a handoff reader reads whole blocks")
+        return [self.get_into(k, o) for k, o in zip(keys, outs, strict=True)]

@@ -1,6 +1,6 @@
 """``kvstore vllm-router``: pools of ``vllm serve`` behind one OpenAI-compatible front.
 
-The vLLM servers run with kvstore's connector (engine/vllm_connector.py): prefill
+The vLLM servers run with kvstore's connector (engine/vllm/connector.py): prefill
 servers as ``kv_producer`` (they write each prompt's KV blocks to the store), decode
 servers as ``kv_consumer`` (they load the blocks the store holds and compute the rest).
 Per request, as vLLM's disaggregated-prefill proxy does:
@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 
 def namespace_of(model: str, dtype: str, block_size: int, model_id: str = "") -> Namespace:
     """The connector's namespace for ``model`` (a local HF directory) served with
-    ``dtype`` and ``block_size`` by one rank: engine/vllm_connector.py namespace_for
+    ``dtype`` and ``block_size`` by one rank: engine/vllm/connector.py namespace_for
     computed from the model's config.json instead of a running engine."""
     cfg = json.loads((Path(model) / "config.json").read_text())
     heads = int(cfg["num_attention_heads"])

@@ -88,12 +88,19 @@ def _ndjson(items: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
     return StreamingResponse(lines(), media_type="application/x-ndjson")
 
 
-def build_app(
-    engine: WorkerEngine, record: WorkerRecord, reg: WorkerRegistration | None
-) -> Starlette:
-    """The worker's ASGI app; ``reg`` (when given) registers on start, revokes on stop."""
+class _Handlers:
+    """The worker's HTTP endpoints: each parses its request, refuses what this role
+    does not serve, and hands the rest to the engine."""
 
-    async def health(_request: Request) -> Response:
+    def __init__(self, engine: WorkerEngine, record: WorkerRecord) -> None:
+        self.engine, self.record = engine, record
+
+    def _wrong_role(self) -> Response:
+        r = self.record
+        return _error(409, f"worker {r.worker_id} is a {r.role} worker")
+
+    async def health(self, _request: Request) -> Response:
+        engine, record = self.engine, self.record
         return JSONResponse(
             {
                 "worker_id": record.worker_id,
@@ -101,13 +108,13 @@ def build_app(
                 "model": record.model,
                 "load": dataclasses.asdict(engine.load()),
                 "counters": engine.counters,
-                "store_up": engine.local.up if engine.local is not None else None,
+                "store_up": engine.local.available if engine.local is not None else None,
             }
         )
 
-    async def prefill(request: Request) -> Response:
-        if not record.can_prefill:
-            return _error(409, f"worker {record.worker_id} is a {record.role} worker")
+    async def prefill(self, request: Request) -> Response:
+        if not self.record.can_prefill:
+            return self._wrong_role()
         try:
             body = await _body(request)
             prompt, rest = _ints(body.get("prompt"), "prompt"), _rest(body)
@@ -116,16 +123,16 @@ def build_app(
             max_tokens = int(body.get("max_tokens", 0))
         except (_BadRequest, ValueError, TypeError) as exc:
             return _error(400, str(exc))
-        prompt = await engine.full_prompt(prompt, rest)
-        too_long = engine.context_error(len(prompt), max_tokens, "messages")
+        prompt = await self.engine.full_prompt(prompt, rest)
+        too_long = self.engine.context_error(len(prompt), max_tokens, "messages")
         if too_long is not None:
             return JSONResponse({"error": too_long}, status_code=400)
         rid = str(body.get("request_id") or uuid.uuid4().hex)
-        return JSONResponse(await engine.prefill(rid, prompt))
+        return JSONResponse(await self.engine.prefill(rid, prompt))
 
-    async def decode(request: Request) -> Response:
-        if not record.can_decode:
-            return _error(409, f"worker {record.worker_id} is a {record.role} worker")
+    async def decode(self, request: Request) -> Response:
+        if not self.record.can_decode:
+            return self._wrong_role()
         try:
             body = await _body(request)
             handoff = body.get("handoff")
@@ -136,11 +143,11 @@ def build_app(
         except (_BadRequest, ValueError, TypeError) as exc:
             return _error(400, str(exc))
         src = str(body.get("source_node") or "")
-        return _ndjson(engine.decode(handoff, src, max_tokens, stop_ids))
+        return _ndjson(self.engine.decode(handoff, src, max_tokens, stop_ids))
 
-    async def generate(request: Request) -> Response:
-        if not record.can_decode:
-            return _error(409, f"worker {record.worker_id} is a {record.role} worker")
+    async def generate(self, request: Request) -> Response:
+        if not self.record.can_decode:
+            return self._wrong_role()
         try:
             body = await _body(request)
             prompt, rest = _ints(body.get("prompt"), "prompt"), _rest(body)
@@ -151,12 +158,19 @@ def build_app(
         except (_BadRequest, ValueError, TypeError) as exc:
             return _error(400, str(exc))
         if rest:
-            prompt = await engine.full_prompt(prompt, rest)
-            too_long = engine.context_error(len(prompt), max_tokens, "messages")
+            prompt = await self.engine.full_prompt(prompt, rest)
+            too_long = self.engine.context_error(len(prompt), max_tokens, "messages")
             if too_long is not None:
                 return JSONResponse({"error": too_long}, status_code=400)
         rid = str(body.get("request_id") or uuid.uuid4().hex)
-        return _ndjson(engine.generate(rid, prompt, max_tokens, stop_ids))
+        return _ndjson(self.engine.generate(rid, prompt, max_tokens, stop_ids))
+
+
+def build_app(
+    engine: WorkerEngine, record: WorkerRecord, reg: WorkerRegistration | None
+) -> Starlette:
+    """The worker's ASGI app; ``reg`` (when given) registers on start, revokes on stop."""
+    h = _Handlers(engine, record)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
@@ -172,10 +186,10 @@ def build_app(
 
     return Starlette(
         routes=[
-            Route("/health", health, methods=["GET"]),
-            Route("/prefill", prefill, methods=["POST"]),
-            Route("/decode", decode, methods=["POST"]),
-            Route("/generate", generate, methods=["POST"]),
+            Route("/health", h.health, methods=["GET"]),
+            Route("/prefill", h.prefill, methods=["POST"]),
+            Route("/decode", h.decode, methods=["POST"]),
+            Route("/generate", h.generate, methods=["POST"]),
         ],
         lifespan=lifespan,
     )
@@ -235,7 +249,7 @@ def _node_on_this_host(cluster: Any, wait_s: float = 15.0) -> str:
 
 def _store_clients(args: argparse.Namespace, namespace: Any) -> tuple[Any, Any, Any]:
     """(cluster client, local guarded store, node id -> guarded store)."""
-    from engine.serving.stores import GuardedStore
+    from engine.blockstore import GuardedStore
     from kvstore import StoreClient
 
     fast = {"timeout_s": 2.0, "connect_timeout_s": 2.0, "retries": 0}
@@ -253,7 +267,7 @@ def _store_clients(args: argparse.Namespace, namespace: Any) -> tuple[Any, Any, 
                     raise Unavailable(f"store node {nid!r} is not in the directory")
                 return StoreClient.connect(info.address, namespace=namespace, **fast)
 
-            guarded[node_id] = GuardedStore(connect)
+            guarded[node_id] = GuardedStore(connect, retry_after_s=2.0, spawn=None)
         return guarded[node_id]
 
     local = None

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from engine.demo import run_demo
+from engine.demo.inproc import run_demo
 from kvstore.cli import main
 
 

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine.hf import HFKVAdapter
-from engine.workers import greedy_continue
+from engine.hf.adapter import HFKVAdapter
+from engine.hf.workers import greedy_continue
 from kvstore.node.store import StoreNode
 from kvstore.tier_kinds import TierKind
 from tests.support.faults import flip_stored_bytes

@@ -11,8 +11,8 @@ import random
 
 import torch
 
-from engine.hf import HFKVAdapter
-from engine.workers import greedy_continue
+from engine.hf.adapter import HFKVAdapter
+from engine.hf.workers import greedy_continue
 from tests.support.models import tiny_llama
 from tests.support.server_process import ALPHA, ServerProcess
 

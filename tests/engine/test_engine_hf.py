@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.hf import HFKVAdapter
-from engine.workers import DecodeWorker, PrefillWorker
+from engine.hf.adapter import HFKVAdapter
+from engine.hf.workers import DecodeWorker, PrefillWorker
 from kvstore.node.store import StoreNode
 from kvstore.tier_kinds import TierKind
 from tests.support.faults import flip_stored_bytes

@@ -13,8 +13,8 @@ import random
 import pytest
 import torch
 
-from engine.hf import HFKVAdapter
-from engine.workers import PrefillWorker
+from engine.hf.adapter import HFKVAdapter
+from engine.hf.workers import PrefillWorker
 from tests.support import engine_procs
 from tests.support.models import reference_tokens, tiny_llama
 from tests.support.server_process import ALPHA, BRAVO, ServerProcess

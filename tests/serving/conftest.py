@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from engine.models import tiny_llama
+from engine.hf.models import tiny_llama
 from engine.serving.loading import load_tokenizer
 
 WORDS = [

@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
-from engine.hf import HFKVAdapter
-from engine.models import tiny_llama
-from engine.workers import DecodeWorker, PrefillWorker, greedy_continue
+from engine.hf.adapter import HFKVAdapter
+from engine.hf.models import tiny_llama
+from engine.hf.workers import DecodeWorker, PrefillWorker, greedy_continue
 from kvstore import StoreNode
 
 N_NEW = 16

@@ -8,7 +8,7 @@ Whether that naive path diverges depends on the CPU's bf16 GEMM kernels: on a 2-
 avx512_bf16 Xeon without AMX it matched on these 8 prompts, so this test guards the
 exact path on the machines where the difference shows. Prompts share a system
 message, so the later ones reuse stored blocks that another request computed (the
-"stored copy came from another computation" case of engine/workers.py).
+"stored copy came from another computation" case of engine/hf/workers.py).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine.hf import HFKVAdapter
-from engine.workers import DecodeWorker, PrefillWorker, greedy_continue
+from engine.hf.adapter import HFKVAdapter
+from engine.hf.workers import DecodeWorker, PrefillWorker, greedy_continue
 from tests.support.server_process import ALPHA, ServerProcess
 
 pytest.importorskip("gguf")
@@ -43,7 +43,7 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def smollm2_bf16() -> Iterator[tuple[Any, Any]]:
-    from engine.models import load_smollm2
+    from engine.hf.models import load_smollm2
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the workers' setting: one reduction order on both sides

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from engine.hf import HFKVAdapter
-from engine.workers import DecodeWorker, Handoff, PrefillWorker
+from engine.hf.adapter import HFKVAdapter
+from engine.hf.workers import DecodeWorker, Handoff, PrefillWorker
 from kvstore.client import StoreClient
 from tests.support.models import tiny_llama
 

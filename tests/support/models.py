@@ -1,4 +1,4 @@
-"""Reference outputs for engine tests; the models themselves live in engine/models.py."""
+"""Reference outputs for engine tests; the models themselves live in engine/hf/models.py."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from engine.models import tiny_llama
+from engine.hf.models import tiny_llama
 
 __all__ = ["reference_tokens", "tiny_llama"]
 

@@ -123,7 +123,7 @@ class EngineSpec:
     dtype: str = "float32"
     role: str | None = None  # kv_producer, kv_consumer, kv_both
     connector: str = "KVStoreConnector"
-    module_path: str = "engine.vllm_connector"
+    module_path: str = "engine.vllm.connector"
     extra: dict[str, Any] = field(default_factory=dict)
     policy: str | None = None  # kv_load_failure_policy; None: vLLM's default
     max_model_len: int = 4096
@@ -264,7 +264,7 @@ def __getattr__(name: str) -> Any:
 
 @functools.cache
 def _faulty_connector() -> type:
-    from engine.vllm_connector import KVStoreConnector
+    from engine.vllm.connector import KVStoreConnector
 
     class FaultyKVStoreConnector(KVStoreConnector):
         """KVStoreConnector whose next ``failing_loads`` worker loads raise as if the
@@ -390,7 +390,7 @@ def _info(llm: Any) -> dict[str, dict[str, Any]]:
     for side, c in _connectors(llm).items():
         ns = c.namespace
         facts: dict[str, Any] = {"namespace": [ns.model, ns.layout, ns.tenant]}
-        paged = getattr(c, "_paged", None)
+        paged = getattr(c, "paged", None)
         if paged is not None:
             facts["page"] = paged.page.name
             facts["isa"] = paged.page.name.split(":")[0]

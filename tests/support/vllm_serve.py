@@ -88,7 +88,7 @@ class ApiServer:
 def _connector(role: str, store: ServerProcess) -> dict[str, Any]:
     return {
         "kv_connector": "KVStoreConnector",
-        "kv_connector_module_path": "engine.vllm_connector",
+        "kv_connector_module_path": "engine.vllm.connector",
         "kv_role": role,
         "kv_connector_extra_config": {"endpoint": store.address, "token": ALPHA.token},
     }

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from engine.scheduler import Refusal
+from engine.planning.scheduler import Refusal
 from engine.serving.placement import Outstanding, choose_decode, proximity
 from engine.serving.registry import WorkerLoad, WorkerRecord
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.scheduler import (
+from engine.planning.scheduler import (
     DEFAULT_PREFILL,
     DEFAULT_SAMPLES,
     Bandwidths,

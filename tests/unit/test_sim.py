@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from engine import plan
-from engine.scheduler import CostModel, PrefillModel
-from engine.sim import SimConfig, prefix_reuse_bound, replay
-from engine.trace import TraceRequest, load_trace, parse_trace
+from engine.planning import plan
+from engine.planning.scheduler import CostModel, PrefillModel
+from engine.planning.sim import SimConfig, prefix_reuse_bound, replay
+from engine.planning.trace import TraceRequest, load_trace, parse_trace
 from kvstore.errors import ConfigError
 
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "conversation_trace.jsonl"

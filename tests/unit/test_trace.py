@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.trace import TraceError, block_token_counts, load_trace, parse_trace
+from engine.planning.trace import TraceError, block_token_counts, load_trace, parse_trace
 from kvstore.errors import ConfigError
 
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "conversation_trace.jsonl"

@@ -291,11 +291,11 @@ def test_blocks_cross_attention_kernels(engines: dict[str, EngineProcess]) -> No
 def test_transformers_decodes_from_blocks_vllm_wrote(
     engines: dict[str, EngineProcess], store: ServerProcess, root: Path
 ) -> None:
-    """engine/hf.py loads the prefix a vLLM engine stored (same model, written to disk)
+    """engine/hf/adapter.py loads the prefix a vLLM engine stored (same model, written to disk)
     and its greedy tokens are vLLM's."""
     from transformers import AutoModelForCausalLM
 
-    from engine.hf import HFKVAdapter
+    from engine.hf.adapter import HFKVAdapter
 
     p = prompt(13, 170)
     ref = engines["ref32"].generate([p], 12)[0]
@@ -334,11 +334,11 @@ def test_loaded_kv_is_what_the_engine_attends_to(
 def test_stored_blocks_are_canonical(
     engines: dict[str, EngineProcess], store: ServerProcess, root: Path
 ) -> None:
-    """A block vLLM stored equals the one engine/hf.py cuts from transformers' cache for
+    """A block vLLM stored equals the one engine/hf/adapter.py cuts from transformers' cache for
     the same model and tokens (same keys too), so both kinds of worker share blocks."""
     from transformers import AutoModelForCausalLM
 
-    from engine.hf import HFKVAdapter
+    from engine.hf.adapter import HFKVAdapter
 
     p = prompt(9, 100)
     engines["prod32"].generate([p], 1)

@@ -12,14 +12,16 @@ from typing import Any
 import pytest
 import torch
 
-from engine import vllm_store
-from engine.vllm_paged import PagedKV, PageLayout, known_layouts, probe_page_layout
-from engine.vllm_store import ConnectorConfig, ConnectorStats, NodeStore, ResilientStore
+from engine import blockstore
+from engine.blockstore import GuardedStore, NodeStore
+from engine.vllm.paged import PagedKV, PageLayout, known_layouts, probe_page_layout
+from engine.vllm.store import ConnectorConfig, ConnectorStats
 from kvstore import Namespace, StoreNode, prefix_keys
 from kvstore.errors import ConfigError, TimeoutError_, Unavailable
 from kvstore.layout import KVLayout
 
 LAYOUT = "float32:L3:H2:D8:B4:R0"
+VLLM_LOG = logging.getLogger("vllm.kvstore")  # the connector's breaker logs there
 NS = Namespace("tiny", LAYOUT)
 
 
@@ -96,10 +98,10 @@ class FlakyStore:
         self.closed += 1
 
 
-def resilient(store: Any, clock: Clock, retry_after_s: float = 5.0) -> ResilientStore:
-    """A ResilientStore over ``store`` whose reconnects run inline (no thread)."""
-    rs = ResilientStore(lambda: store, retry_after_s=retry_after_s, stats=ConnectorStats(),
-                        clock=clock, spawn=lambda fn: fn())  # fmt: skip
+def resilient(store: Any, clock: Clock, retry_after_s: float = 5.0) -> GuardedStore:
+    """The connector's breaker over ``store``, its reconnects spawned inline (no thread)."""
+    rs = GuardedStore(lambda: store, retry_after_s=retry_after_s, stats=ConnectorStats(),
+                      clock=clock, spawn=lambda fn: fn(), logger=VLLM_LOG)  # fmt: skip
     assert rs.open()
     return rs
 
@@ -116,10 +118,10 @@ def test_failures_are_misses_logged_once_then_skipped(
     rs = resilient(flaky, clock)
     keys = prefix_keys(range(16), 4, NS)
     with caplog.at_level(logging.INFO, logger="vllm.kvstore"):
-        assert rs.match_prefix(keys) == 0
-        assert rs.get_into(keys, [None] * 4) == [False] * 4
-        assert rs.put(keys, [None] * 4) == (0, 0)
-        rs.remove(keys)
+        assert rs.lookup(keys) == 0
+        assert rs.load(keys, [None] * 4) == [False] * 4
+        assert rs.save(keys, [None] * 4) == (0, 0)
+        rs.discard(keys)
     assert flaky.calls == 1  # the later calls were skipped without touching the store
     assert (rs.stats.store_errors, rs.stats.skipped_calls) == (1, 3)
     assert not rs.available
@@ -128,14 +130,14 @@ def test_failures_are_misses_logged_once_then_skipped(
 
     clock.now += 5.0  # cool-down over: this call starts a reconnect and is a miss itself
     with caplog.at_level(logging.INFO, logger="vllm.kvstore"):
-        assert rs.match_prefix(keys) == 0
+        assert rs.lookup(keys) == 0
         assert flaky.calls == 1
-        assert rs.match_prefix(keys) == 0  # the new client fails too: no second warning
+        assert rs.lookup(keys) == 0  # the new client fails too: no second warning
         assert flaky.calls == 2
         flaky.down = False
         clock.now += 5.0
-        rs.match_prefix(keys)  # reconnects
-        assert rs.match_prefix(keys) == 4
+        rs.lookup(keys)  # reconnects
+        assert rs.lookup(keys) == 4
     assert "reachable again" in caplog.records[-1].getMessage()
     assert warnings(caplog) == 1
 
@@ -152,15 +154,15 @@ def test_store_down_at_start_is_a_miss_and_reconnects_later() -> None:
             raise Unavailable("connection refused")
         return up
 
-    rs = ResilientStore(opener, retry_after_s=1.0, stats=ConnectorStats(), clock=clock,
-                        spawn=lambda fn: fn())  # fmt: skip
+    rs = GuardedStore(opener, retry_after_s=1.0, stats=ConnectorStats(), clock=clock,
+                      spawn=lambda fn: fn())  # fmt: skip
     assert not rs.open()
     keys = prefix_keys(range(8), 4, NS)
-    assert rs.match_prefix(keys) == 0
+    assert rs.lookup(keys) == 0
     assert (rs.stats.store_errors, len(attempts)) == (1, 1)
     clock.now += 1.0
-    assert rs.match_prefix(keys) == 0  # reconnecting
-    assert rs.match_prefix(keys) == 2
+    assert rs.lookup(keys) == 0  # reconnecting
+    assert rs.lookup(keys) == 2
     assert len(attempts) == 2
 
 
@@ -168,15 +170,15 @@ def test_reconnect_runs_off_the_calling_thread() -> None:
     spawned: list[Any] = []
     flaky = FlakyStore(Unavailable("down"))
     clock = Clock()
-    rs = ResilientStore(lambda: flaky, retry_after_s=1.0, stats=ConnectorStats(), clock=clock,
-                        spawn=spawned.append)  # fmt: skip
+    rs = GuardedStore(lambda: flaky, retry_after_s=1.0, stats=ConnectorStats(), clock=clock,
+                      spawn=spawned.append)  # fmt: skip
     keys = prefix_keys(range(8), 4, NS)
-    assert rs.match_prefix(keys) == 0
-    assert rs.match_prefix(keys) == 0
+    assert rs.lookup(keys) == 0
+    assert rs.lookup(keys) == 0
     assert len(spawned) == 1  # one reconnect at a time, not one per call
     flaky.down = False
     spawned[0]()
-    assert rs.match_prefix(keys) == 2
+    assert rs.lookup(keys) == 2
 
 
 def test_node_store_round_trip_and_per_key_misses() -> None:
@@ -185,34 +187,34 @@ def test_node_store_round_trip_and_per_key_misses() -> None:
     blocks = [torch.randn(layout.block_shape()) for _ in keys]
     with StoreNode(dram_bytes="4MiB") as node:
         rs = resilient(NodeStore(node, NS), Clock())
-        assert rs.put(keys[:2], blocks[:2]) == (2, 0)
-        assert rs.put(keys[:2], blocks[:2]) == (0, 2)  # already stored
-        assert rs.match_prefix(keys) == 2
+        assert rs.save(keys[:2], blocks[:2]) == (2, 0)
+        assert rs.save(keys[:2], blocks[:2]) == (0, 2)  # already stored
+        assert rs.lookup(keys) == 2
         outs = [torch.empty(layout.block_shape()) for _ in keys]
-        assert rs.get_into(keys, outs) == [True, True, False]
+        assert rs.load(keys, outs) == [True, True, False]
         assert all(torch.equal(o, b) for o, b in zip(outs[:2], blocks[:2], strict=True))
         # A wrong-shaped destination is that key's error: a miss, the store stays up.
-        assert rs.get_into(keys[:1], [torch.empty(3)]) == [False]
+        assert rs.load(keys[:1], [torch.empty(3)]) == [False]
         assert rs.available and rs.stats.store_errors == 0
-        rs.remove(keys[:1])
-        assert rs.match_prefix(keys) == 0
+        rs.discard(keys[:1])
+        assert rs.lookup(keys) == 0
 
 
 def test_long_prompts_match_in_slices(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(vllm_store, "MATCH_SLICE", 2)
+    monkeypatch.setattr(blockstore, "MATCH_SLICE", 2)
     layout = KVLayout.parse(LAYOUT)
     keys = prefix_keys(range(4 * 7), 4, NS)
     with StoreNode(dram_bytes="4MiB") as node:
         rs = resilient(NodeStore(node, NS), Clock())
-        rs.put(keys[:5], [torch.randn(layout.block_shape()) for _ in range(5)])
-        assert rs.match_prefix(keys) == 5
-        assert rs.match_prefix(keys[:4]) == 4
+        rs.save(keys[:5], [torch.randn(layout.block_shape()) for _ in range(5)])
+        assert rs.lookup(keys) == 5
+        assert rs.lookup(keys[:4]) == 4
 
 
 # -- paged KV ---------------------------------------------------------------------------
 #
 # Reference writers, written from the kernels' documented element formulas one element at
-# a time (independently of engine/vllm_paged.py's views): (token t, dim d) of a head goes
+# a time (independently of engine/vllm/paged.py's views): (token t, dim d) of a head goes
 # to these offsets of the head's key and value regions.
 
 
@@ -419,12 +421,12 @@ def test_blocks_saved_through_one_kernel_load_through_another(dtype: str) -> Non
 def test_a_steps_loads_land_layer_by_layer_or_whole_and_fail_per_request(
     layerwise: bool,
 ) -> None:
-    """engine/vllm_loads.py over an in-process store and real page tensors: every
+    """engine/vllm/loads.py over an in-process store and real page tensors: every
     request's hits in one batch per layer, each layer awaitable on its own; a request
     whose second block misses loads its first only, and that key is offered for removal."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from engine.vllm_loads import BlockTransfer, StepLoad
+    from engine.vllm.loads import BlockTransfer, StepLoad
 
     ns = Namespace("tiny-steps", "float32:L2:H2:D32:B32:R0")
     layout = KVLayout.parse(ns.layout)
@@ -434,7 +436,7 @@ def test_a_steps_loads_land_layer_by_layer_or_whole_and_fail_per_request(
     want = kernel_pages(reference_writer("vec"), blocks[:3], 8, [5, 6, 0])
     with StoreNode(dram_bytes="4MiB") as node:
         rs = resilient(NodeStore(node, ns), Clock())
-        assert rs.put(keys[:3], list(blocks[:3])) == (3, 0)  # keys[3] is never stored
+        assert rs.save(keys[:3], list(blocks[:3])) == (3, 0)  # keys[3] is never stored
         pages = [torch.zeros_like(t) for t in want]
         paged = PagedKV(pages, layout, page)
         items = [BlockTransfer("a", keys[:2], [5, 6]), BlockTransfer("b", keys[2:], [0, 3])]
@@ -457,14 +459,14 @@ def test_a_steps_loads_land_layer_by_layer_or_whole_and_fail_per_request(
 def test_a_steps_saves_go_layer_by_layer_and_withdraw_failed_requests(
     gather_in_saver: bool,
 ) -> None:
-    """engine/vllm_saves.py over an in-process store and real page tensors: each layer
+    """engine/vllm/saves.py over an in-process store and real page tensors: each layer
     handed over is sent beside the forward, a layer never handed over is sent at the
     end, the commit stores whole canonical blocks, and a request whose load failed
     has its blocks withdrawn."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from engine.vllm_loads import BlockTransfer
-    from engine.vllm_saves import StepSave
+    from engine.vllm.loads import BlockTransfer
+    from engine.vllm.saves import StepSave
 
     ns = Namespace("tiny-saves", "float32:L3:H2:D32:B32:R0")
     layout = KVLayout.parse(ns.layout)
@@ -499,8 +501,8 @@ def test_a_steps_saves_go_layer_by_layer_and_withdraw_failed_requests(
 def test_a_save_whose_store_fails_stores_nothing_and_marks_it_down() -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    from engine.vllm_loads import BlockTransfer
-    from engine.vllm_saves import StepSave
+    from engine.vllm.loads import BlockTransfer
+    from engine.vllm.saves import StepSave
 
     ns = Namespace("tiny-saves-down", "float32:L2:H2:D32:B32:R0")
     layout = KVLayout.parse(ns.layout)
@@ -537,12 +539,12 @@ def test_a_save_whose_store_fails_stores_nothing_and_marks_it_down() -> None:
 
 
 def test_transfer_cores_stay_off_the_forwards_cores() -> None:
-    """engine/vllm_cpus.py: with vLLM's OpenMP team bound to a list, the transfer
+    """engine/vllm/cpus.py: with vLLM's OpenMP team bound to a list, the transfer
     threads take the process's other cores; lists parse strictly; a thread is pinned."""
     import os
     import threading
 
-    from engine.vllm_cpus import host_cpus, parse_cpu_list, pin_this_thread, transfer_cpus
+    from engine.vllm.cpus import host_cpus, parse_cpu_list, pin_this_thread, transfer_cpus
 
     assert parse_cpu_list("0-3,6") == {0, 1, 2, 3, 6}
     assert parse_cpu_list("0-1|2-3") == {0, 1, 2, 3}

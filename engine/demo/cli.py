@@ -112,7 +112,7 @@ def _run(args: argparse.Namespace) -> int:
     parse_size(args.dram, "dram")  # a bad size fails here, before anything starts
     parse_size(args.ssd, "ssd")
     if _live_or_note(args):
-        from engine.demo_live import run_live_demo
+        from engine.demo.live import run_live_demo
 
         run: Any = run_live_demo
         kw.update(
@@ -125,7 +125,7 @@ def _run(args: argparse.Namespace) -> int:
         if not args.json:
             kw["phase"] = lambda msg: print(f"kvstore demo: {msg}", file=sys.stderr, flush=True)
     else:
-        from engine.demo import run_demo
+        from engine.demo.inproc import run_demo
 
         run = run_demo
     if args.json:

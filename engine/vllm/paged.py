@@ -2,7 +2,7 @@
 
 The store holds every block in one layout whatever wrote it (DESIGN.md, "Canonical
 layout"): ``[layers, 2, kv_heads, block_tokens, head_dim]`` in the namespace's dtype,
-token-major, the same bytes engine/hf.py cuts from a transformers cache. So a block
+token-major, the same bytes engine/hf/adapter.py cuts from a transformers cache. So a block
 written by a prefill engine on an AMX machine is read by a decode engine without AMX,
 by the transformers adapter, and by a GPU engine. vLLM's CPU attention kernels each
 arrange a page differently; this module is the only place that knows how.

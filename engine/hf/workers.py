@@ -35,7 +35,8 @@ from typing import Any
 
 import torch
 
-from engine.hf import BlockStore, HFKVAdapter
+from engine.blockstore import BlockStore
+from engine.hf.adapter import HFKVAdapter
 from kvstore.errors import KVStoreError
 
 __all__ = [

@@ -16,7 +16,7 @@ interface and use the same estimates, so a replay compares choices, not models.
 
 The scheduler sees nodes only as :class:`Candidate` records (queued seconds plus
 where each run of the cached prefix lives). It never reads caches itself: the
-trace replay (engine/sim.py) and the live engine both build candidates from
+trace replay (engine/planning/sim.py) and the live engine both build candidates from
 their own view of the cluster (policies in the replay, the directory in a live
 cluster).
 

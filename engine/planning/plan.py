@@ -2,8 +2,8 @@
 
 An operator sizing DRAM and SSD for a prefill fleet wants one answer: how much
 prefill does this much cache save on *our* traffic, and is pooling the caches
-worth it. The command replays a Mooncake-format trace (engine/trace.py) through
-the real scheduler and eviction policies (engine/sim.py) with per-node caches,
+worth it. The command replays a Mooncake-format trace (engine/planning/trace.py) through
+the real scheduler and eviction policies (engine/planning/sim.py) with per-node caches,
 one pooled cache, or both, and prints a table (or ``--json``) and optionally a
 plot of hit rate against capacity, per-node vs pooled.
 
@@ -33,11 +33,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from engine.plan_plot import plot_sweep as _plot
-from engine.plan_plot import si as _si
-from engine.scheduler import DEFAULT_COST, SCHEDULERS, CostModel, PrefillModel
-from engine.sim import SimConfig, SimResult, prefix_reuse_bound, replay
-from engine.trace import BLOCK_TOKENS, TraceRequest, load_trace
+from engine.planning.plot import plot_sweep as _plot
+from engine.planning.plot import si as _si
+from engine.planning.scheduler import DEFAULT_COST, SCHEDULERS, CostModel, PrefillModel
+from engine.planning.sim import SimConfig, SimResult, prefix_reuse_bound, replay
+from engine.planning.trace import BLOCK_TOKENS, TraceRequest, load_trace
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.tiers.policy import POLICIES
 
@@ -110,6 +110,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--trace", required=True, type=Path, help="Mooncake-format JSONL trace")
+    _add_cluster_arguments(p)
+    _add_replay_arguments(p)
+    p.set_defaults(func=run)
+
+
+def _add_cluster_arguments(p: argparse.ArgumentParser) -> None:
+    """The cluster the trace is replayed on: nodes, tiers, eviction, caches, scheduler."""
     p.add_argument("--nodes", type=int, default=10, help="prefill nodes (default 10)")
     p.add_argument(
         "--dram",
@@ -134,6 +141,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         )
     p.set_defaults(mode="both")
     p.add_argument("--scheduler", default="cache_aware", choices=sorted(SCHEDULERS))
+
+
+def _add_replay_arguments(p: argparse.ArgumentParser) -> None:
+    """How the replay runs and reports: output, slice, workers, SLO, time and cost model."""
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument(
         "--plot",
@@ -162,7 +173,6 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="fitted prefill coefficients (default: built-in CPU reference)",
     )
     p.add_argument("--kv-bytes-per-token", type=int, help="KV bytes per token for bytes moved")
-    p.set_defaults(func=run)
 
 
 def _cost(args: argparse.Namespace) -> CostModel:

@@ -2,7 +2,7 @@
 
 Starts, as child processes of this one (engine/serving/stack.py): etcd, store nodes,
 prefill workers (each beside its own node), decode workers and the OpenAI-compatible
-router. Then the same conversations as the in-process demo (engine/demo.py) go
+router. Then the same conversations as the in-process demo (engine/demo/inproc.py) go
 through the router's ``/v1/chat/completions``, streamed, with the ``openai`` client:
 each turn's messages are the conversation so far (the answers the decode worker
 streamed back included) plus a new user question. Every answer says where it went
@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from engine.demo import QUESTIONS, SYSTEM, class_summary
+from engine.demo.inproc import QUESTIONS, SYSTEM, class_summary
 
 __all__ = ["LiveRequest", "LiveResult", "run_live_demo"]
 
@@ -175,7 +175,7 @@ def _scratch(model: str, prompts: list[list[int]]) -> tuple[list[float], int]:
     model's block bytes. Runs after the stack is stopped: the CPU is ours."""
     import torch
 
-    from engine.hf import HFKVAdapter
+    from engine.hf.adapter import HFKVAdapter
     from engine.serving.loading import load_model
 
     torch.set_num_threads(1)  # as each worker runs
@@ -220,13 +220,9 @@ def run_live_demo(
 ) -> LiveResult:
     """Start the stack, serve ``conversations x turns`` chat requests through the
     router, stop the stack; returns per-request records and where each went."""
-    from openai import OpenAI
-
-    from engine.serving.loading import load_tokenizer
     from engine.serving.stack import ServingStack
 
     say = phase or (lambda _m: None)
-    rng = random.Random(seed)
     t0 = time.perf_counter()
     # Prefill workers time their model at start (a few seconds), so the router's
     # cost model weighs a cached prefix against recomputing it on this CPU.
@@ -237,12 +233,7 @@ def run_live_demo(
         router_flags=("--short-prompt-tokens", str(short_prompt_tokens)),
     )  # fmt: skip
     result = LiveResult(model, policy)
-    tok = load_tokenizer(model)
-    talks: list[list[dict[str, str]]] = [
-        [{"role": "system", "content": SYSTEM.strip()}] for _ in range(conversations)
-    ]
-    prompts: list[list[int]] = []
-    total = conversations * turns
+    talk = _Conversations(result, conversations, random.Random(seed), progress)
     say(f"starting etcd, {nodes} store nodes, {prefill} prefill + {decode} decode workers")
     try:
         stack.start()
@@ -250,37 +241,8 @@ def run_live_demo(
         result.router = stack.url()
         _warm(stack, model)
         result.startup_s = time.perf_counter() - t0
-        say(f"router at {result.router}; sending {total} chat requests")
-        client = OpenAI(base_url=result.router + "/v1", api_key="none", max_retries=0,
-                        timeout=300)  # fmt: skip
-        done = 0
-        for turn in range(turns):
-            for c, msgs in enumerate(talks):
-                msgs.append({"role": "user", "content": rng.choice(QUESTIONS)})
-                text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-                prompts.append([int(t) for t in tok(text, add_special_tokens=False).input_ids])
-                r = _ask(client, model, msgs, new_tokens)
-                kv = r["kv"]
-                result.requests.append(
-                    LiveRequest(
-                        conversation=c, turn=turn,
-                        cls="first turn" if turn == 0 else "follow-up",
-                        prompt_tokens=r["prompt_tokens"],
-                        cached_tokens=int(kv.get("cached_tokens", 0)),
-                        tier=kv.get("tier"),
-                        prefill_worker=str(kv.get("prefill_worker", "")),
-                        decode_worker=str(kv.get("decode_worker", "")),
-                        short_prompt=bool(kv.get("short_prompt", False)),
-                        ttft_s=r["ttft"], total_s=r["total"],
-                        completion_tokens=r["completion_tokens"], headers=r["headers"],
-                    )
-                )  # fmt: skip
-                if not result.sample and model != "tiny":
-                    result.sample = r["text"].strip()
-                msgs.append({"role": "assistant", "content": r["text"]})
-                done += 1
-                if progress is not None:
-                    progress(done, total)
+        say(f"router at {result.router}; sending {conversations * turns} chat requests")
+        prompts = talk.run(turns, new_tokens)
         result.nodes = stack.node_stats()
         result.workers = stack.worker_stats()
     finally:
@@ -293,3 +255,66 @@ def run_live_demo(
         req.scratch_s = s
     result.seconds = time.perf_counter() - t0
     return result
+
+
+class _Conversations:
+    """The demo's chats, turn by turn through the router, each answer recorded in
+    ``result`` as a :class:`LiveRequest` (where it ran, what it reused)."""
+
+    def __init__(
+        self,
+        result: LiveResult,
+        conversations: int,
+        rng: random.Random,
+        progress: Callable[[int, int], None] | None,
+    ) -> None:
+        from engine.serving.loading import load_tokenizer
+
+        self.result, self.rng, self.progress = result, rng, progress
+        self.tok = load_tokenizer(result.model)
+        self.talks: list[list[dict[str, str]]] = [
+            [{"role": "system", "content": SYSTEM.strip()}] for _ in range(conversations)
+        ]
+
+    def run(self, turns: int, new_tokens: int) -> list[list[int]]:
+        """Every turn of every conversation, through the router at ``result.router``;
+        returns each request's prompt ids."""
+        from openai import OpenAI
+
+        client = OpenAI(base_url=self.result.router + "/v1", api_key="none", max_retries=0,
+                        timeout=300)  # fmt: skip
+        prompts: list[list[int]] = []
+        total, done = turns * len(self.talks), 0
+        for turn in range(turns):
+            for c, msgs in enumerate(self.talks):
+                msgs.append({"role": "user", "content": self.rng.choice(QUESTIONS)})
+                text = self.tok.apply_chat_template(
+                    msgs, add_generation_prompt=True, tokenize=False
+                )
+                prompts.append([int(t) for t in self.tok(text, add_special_tokens=False).input_ids])
+                r = _ask(client, self.result.model, msgs, new_tokens)
+                self._record(c, turn, r)
+                msgs.append({"role": "assistant", "content": r["text"]})
+                done += 1
+                if self.progress is not None:
+                    self.progress(done, total)
+        return prompts
+
+    def _record(self, c: int, turn: int, r: dict[str, Any]) -> None:
+        kv = r["kv"]
+        self.result.requests.append(
+            LiveRequest(
+                conversation=c, turn=turn,
+                cls="first turn" if turn == 0 else "follow-up",
+                prompt_tokens=r["prompt_tokens"],
+                cached_tokens=int(kv.get("cached_tokens", 0)),
+                tier=kv.get("tier"),
+                prefill_worker=str(kv.get("prefill_worker", "")),
+                decode_worker=str(kv.get("decode_worker", "")),
+                short_prompt=bool(kv.get("short_prompt", False)),
+                ttft_s=r["ttft"], total_s=r["total"],
+                completion_tokens=r["completion_tokens"], headers=r["headers"],
+            )
+        )  # fmt: skip
+        if not self.result.sample and self.result.model != "tiny":
+            self.result.sample = r["text"].strip()

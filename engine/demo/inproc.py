@@ -23,9 +23,10 @@ from typing import Any
 
 import torch
 
-from engine.hf import HFKVAdapter
-from engine.models import load_smollm2, tiny_llama
-from engine.workers import DecodeWorker, PrefillWorker
+from engine.blockstore import NodeStore
+from engine.hf.adapter import HFKVAdapter
+from engine.hf.models import load_smollm2, tiny_llama
+from engine.hf.workers import DecodeWorker, PrefillWorker
 from kvstore.config import NodeConfig, parse_size
 from kvstore.node.store import StoreNode
 
@@ -178,7 +179,8 @@ def run_demo(
         with StoreNode(cfg) as node:
             ad = HFKVAdapter(m, model_id=name, block_tokens=16)
             result = DemoResult(name, ad.layout.block_bytes())
-            prefill, decode = PrefillWorker(ad, node), DecodeWorker(ad, node)
+            store = NodeStore(node, ad.namespace)
+            prefill, decode = PrefillWorker(ad, store), DecodeWorker(ad, store)
             done = 0
             for turn in range(turns):
                 for c, talk in enumerate(convs):

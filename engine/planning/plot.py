@@ -36,17 +36,37 @@ def plot_sweep(path: Path, report: dict[str, Any]) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    bt = report["block_tokens"]
     dram, ssd = report["dram_blocks_per_node"], report["ssd_blocks_per_node"]
     tiered = dram is not None and ssd != 0  # an SSD tier that the sweep scales or keeps
     bound = 100 * report["prefix_reuse_bound"]
     fig, ax = plt.subplots(figsize=(9, 5.6), dpi=120)
+    handles, top = _draw_modes(ax, report, tiered)
+    handles += _key_extras(tiered, dram is None)
+    _mark_limits(ax, report, bound)
+    ratio = _draw_axes(ax, report, max(top, bound))
+    ax.legend(handles=handles, loc="lower right", fontsize=8, framealpha=0.95)
+    ax.set_title(
+        f"{report['requests']:,} requests, {report['nodes']} prefill nodes, {report['policy']} "
+        f"eviction, {report['scheduler']} scheduler, {ratio}",
+        fontsize=9, color="0.25", pad=28 if tiered and ssd else 8,
+    )  # fmt: skip
+    fig.suptitle(
+        f"How much prefill the KV cache saves: {Path(report['trace']).name}",
+        fontsize=12, fontweight="bold",
+    )  # fmt: skip
+    fig.tight_layout()
+    _atomic_savefig(fig, path)
+    plt.close(fig)
+
+
+def _draw_modes(ax: Any, report: dict[str, Any], tiered: bool) -> tuple[list[Any], float]:
+    """A line per mode (its DRAM part dashed, the SSD gap shaded), the plan starred;
+    returns the legend handles and the highest hit rate drawn."""
+    from matplotlib.lines import Line2D
+
     handles: list[Any] = []
-    top = bound
+    top = 0.0
     for mode, colour, marker, label in _MODES:
         pts = [p for p in report["sweep"] if p["mode"] == mode]
         if not pts:
@@ -64,26 +84,43 @@ def plot_sweep(path: Path, report: dict[str, Any]) -> None:
             if p["planned"]:
                 _mark_plan(ax, p, colour, marker, tiered, mode == "pooled")
         planned = report["results"].get(mode)
-        if dram is None and planned is not None:  # unlimited DRAM: the plan is off the axis
+        if report["dram_blocks_per_node"] is None and planned is not None:
+            # unlimited DRAM: the plan is off the axis
             ax.axhline(100 * planned["hit_rate"], color=colour, ls=(0, (1, 2)), lw=1.5)
+    return handles, top
+
+
+def _key_extras(tiered: bool, unlimited_dram: bool) -> list[Any]:
+    """Legend entries for the DRAM/SSD split and for how the plan is marked."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    out: list[Any] = []
     if tiered:
-        handles += [
+        out += [
             Line2D([], [], color="0.3", ls="--", lw=1.3, label="of which from DRAM"),
             Patch(color="0.3", alpha=0.25, lw=0, label="from SSD (the gap)"),
         ]
-    if dram is None:
-        plan = Line2D([], [], color="0.1", ls=(0, (1, 2)), lw=1.5, label="planned: unlimited DRAM")
+    if unlimited_dram:
+        out.append(
+            Line2D([], [], color="0.1", ls=(0, (1, 2)), lw=1.5, label="planned: unlimited DRAM")
+        )
     else:
-        plan = Line2D([], [], color="0.1", marker="*", ms=12, lw=0, mfc="white", label="planned")
-    handles.append(plan)
+        out.append(
+            Line2D([], [], color="0.1", marker="*", ms=12, lw=0, mfc="white", label="planned")
+        )
+    return out
 
+
+def _mark_limits(ax: Any, report: dict[str, Any], bound: float) -> None:
+    """The prefix-reuse bound, and the capacity at which the pool holds the whole trace."""
     ax.axhline(bound, color="0.35", ls=":", lw=1.3, zorder=1)
     ax.annotate(
         f"unlimited cache: {bound:.1f}% (the trace's prefix-reuse bound)",
         (0.01, bound), xycoords=("axes fraction", "data"), xytext=(0, 4),
         textcoords="offset points", fontsize=8, color="0.3", va="bottom",
     )  # fmt: skip
-    footprint = report["footprint_blocks_per_node"] * bt
+    footprint = report["footprint_blocks_per_node"] * report["block_tokens"]
     if report["sweep_axis"] != "dram":
         ax.axvline(footprint, color="0.6", lw=0.8, ls="-.", zorder=1)
         ax.annotate(
@@ -92,6 +129,12 @@ def plot_sweep(path: Path, report: dict[str, Any]) -> None:
             ha="right",
         )  # fmt: skip
 
+
+def _draw_axes(ax: Any, report: dict[str, Any], top: float) -> str:
+    """Scales, ticks and labels of both axes; returns the tiering phrase for the title."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    dram, ssd = report["dram_blocks_per_node"], report["ssd_blocks_per_node"]
     ax.set_xscale("log")
     ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: si(x)))
@@ -99,43 +142,28 @@ def plot_sweep(path: Path, report: dict[str, Any]) -> None:
     ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:.0f}%"))
     ax.set_ylim(0, top * 1.22)
     ax.set_ylabel("prompt tokens served from the KV cache\n(token-weighted prefix hit rate)")
-    if report["sweep_axis"] == "dram":
-        ax.set_xlabel("DRAM per node (tokens, log scale); SSD unlimited")
-        ratio = "SSD unlimited"
-    elif dram is None:
-        ax.set_xlabel("DRAM per node (tokens, log scale); planned: unlimited (dotted)")
-        ratio = "DRAM only"
-    elif ssd:
-        ax.set_xlabel(
-            f"KV capacity per node: DRAM + SSD at the planned 1:{ssd / dram:.3g} "
-            "(tokens, log scale)"
-        )
-        share = dram / (dram + ssd)
-        sec = ax.secondary_xaxis("top", functions=(lambda x: x * share, lambda x: x / share))
-        sec.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-        sec.xaxis.set_major_formatter(FuncFormatter(lambda x, _: si(x)))
-        sec.xaxis.set_minor_formatter(NullFormatter())
-        sec.set_xlabel("of which DRAM per node (tokens)", fontsize=8.5, color="0.3")
-        sec.tick_params(labelsize=8, colors="0.3")
-        ratio = f"DRAM:SSD = 1:{ssd / dram:.3g}"
-    else:
-        ax.set_xlabel("DRAM per node (tokens, log scale); no SSD tier")
-        ratio = "no SSD"
     ax.grid(True, which="major", alpha=0.3)
     ax.grid(True, which="minor", axis="x", alpha=0.1)
-    ax.legend(handles=handles, loc="lower right", fontsize=8, framealpha=0.95)
-    ax.set_title(
-        f"{report['requests']:,} requests, {report['nodes']} prefill nodes, {report['policy']} "
-        f"eviction, {report['scheduler']} scheduler, {ratio}",
-        fontsize=9, color="0.25", pad=28 if tiered and ssd else 8,
-    )  # fmt: skip
-    fig.suptitle(
-        f"How much prefill the KV cache saves: {Path(report['trace']).name}",
-        fontsize=12, fontweight="bold",
-    )  # fmt: skip
-    fig.tight_layout()
-    _atomic_savefig(fig, path)
-    plt.close(fig)
+    if report["sweep_axis"] == "dram":
+        ax.set_xlabel("DRAM per node (tokens, log scale); SSD unlimited")
+        return "SSD unlimited"
+    if dram is None:
+        ax.set_xlabel("DRAM per node (tokens, log scale); planned: unlimited (dotted)")
+        return "DRAM only"
+    if not ssd:
+        ax.set_xlabel("DRAM per node (tokens, log scale); no SSD tier")
+        return "no SSD"
+    ax.set_xlabel(
+        f"KV capacity per node: DRAM + SSD at the planned 1:{ssd / dram:.3g} (tokens, log scale)"
+    )
+    share = dram / (dram + ssd)
+    sec = ax.secondary_xaxis("top", functions=(lambda x: x * share, lambda x: x / share))
+    sec.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    sec.xaxis.set_major_formatter(FuncFormatter(lambda x, _: si(x)))
+    sec.xaxis.set_minor_formatter(NullFormatter())
+    sec.set_xlabel("of which DRAM per node (tokens)", fontsize=8.5, color="0.3")
+    sec.tick_params(labelsize=8, colors="0.3")
+    return f"DRAM:SSD = 1:{ssd / dram:.3g}"
 
 
 def _mark_plan(

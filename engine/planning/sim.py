@@ -3,7 +3,7 @@
 What it answers: for a cluster of N prefill nodes with given DRAM and SSD per node
 and an eviction policy, what share of prompt tokens the KV cache serves (by tier),
 and what that does to time to first token under a given scheduler. It replays
-Mooncake-format traces (engine/trace.py) whose ``hash_ids`` stand for 512-token
+Mooncake-format traces (engine/planning/trace.py) whose ``hash_ids`` stand for 512-token
 blocks, so no tokens or tensors are needed and an hour of traffic replays in seconds.
 
 Model (each choice made to match how the store behaves, and written down here):
@@ -26,7 +26,7 @@ Model (each choice made to match how the store behaves, and written down here):
   is known exactly and TTFT = queueing + service.
 * Optional decode nodes hold each request's KV (prompt + output tokens) from the
   end of its prefill for ``output_length * tpot_s``; placement is
-  :func:`engine.scheduler.place_decode`, refusals are counted.
+  :func:`engine.planning.scheduler.place_decode`, refusals are counted.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.scheduler import (
+from engine.planning.scheduler import (
     DEFAULT_COST,
     Candidate,
     CostModel,
@@ -49,7 +49,7 @@ from engine.scheduler import (
     make_scheduler,
     place_decode,
 )
-from engine.trace import BLOCK_TOKENS, TraceRequest
+from engine.planning.trace import BLOCK_TOKENS, TraceRequest
 from kvstore.errors import ConfigError
 from kvstore.tiers.policy import EvictionPolicy, make_policy
 

@@ -29,8 +29,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.vllm_paged import PagedKV
-from engine.vllm_store import ResilientStore
+from engine.blockstore import GuardedStore
+from engine.vllm.paged import PagedKV
 
 if TYPE_CHECKING:
     import torch
@@ -56,7 +56,7 @@ class StepLoad:
     def __init__(
         self,
         items: Sequence[BlockTransfer],
-        store: ResilientStore,
+        store: GuardedStore,
         paged: PagedKV,
         chunk: int,
         executor: ThreadPoolExecutor | None,
@@ -114,7 +114,7 @@ class StepLoad:
     ) -> None:
         """Fetch ``part`` of the step's blocks into ``buf`` and write the hits."""
         outs = [buf[j] for j in range(len(part))]
-        got = self._store.get_into([self._keys[i] for i in part], outs, layers=layers)
+        got = self._store.load([self._keys[i] for i in part], outs, layers=layers)
         hits = [j for j, ok in enumerate(got) if ok]
         for j, ok in enumerate(got):
             if not ok:

@@ -23,26 +23,17 @@ per adapter call, and batching happens above this layer.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
+from engine.blockstore import BlockStore
 from kvstore.codec import get_codec, normalize_codec
 from kvstore.codec.base import KVCodec
 from kvstore.errors import KVStoreError, LayoutMismatch
 from kvstore.keys import BlockKey, Namespace, prefix_keys
 
-__all__ = ["BlockStore", "HFKVAdapter", "layout_of"]
-
-
-class BlockStore(Protocol):
-    """What the adapter needs from a store: a StoreNode in process or a StoreClient."""
-
-    def put(self, key: bytes, value: Any, *, namespace: Namespace | None = None) -> bool: ...
-
-    def get_into(self, key: bytes, out: Any, *, namespace: Namespace | None = None) -> bool: ...
-
-    def match_prefix(self, keys: Sequence[bytes]) -> int: ...
+__all__ = ["HFKVAdapter", "layout_of"]
 
 
 def layout_of(

@@ -8,7 +8,7 @@ sends it to the store (kvstore's layer-by-layer write, kvstore/client/layered.py
 the forward computes the next layers. Where the gather runs: on the forward's thread,
 with its torch thread team, when the forward holds every core (a gather from another
 thread would fight that team for them); in the saver thread when it has cores of its
-own (engine/vllm_cpus.py), so the gather is hidden too. ``finish``
+own (engine/vllm/cpus.py), so the gather is hidden too. ``finish``
 (from ``wait_for_save``) waits for the last layer and commits: the blocks become
 visible in the store once, whole, with one checksum each.
 
@@ -31,9 +31,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from engine.vllm_loads import BlockTransfer
-from engine.vllm_paged import PagedKV
-from engine.vllm_store import LayerWriter, ResilientStore
+from engine.blockstore import GuardedStore, LayerWriter
+from engine.vllm.loads import BlockTransfer
+from engine.vllm.paged import PagedKV
 
 __all__ = ["StepSave"]
 
@@ -47,7 +47,7 @@ class StepSave:
     def __init__(
         self,
         items: Sequence[BlockTransfer],
-        store: ResilientStore,
+        store: GuardedStore,
         paged: PagedKV,
         chunk: int,
         executor: ThreadPoolExecutor,
@@ -74,7 +74,7 @@ class StepSave:
         shape, dtype = self._paged.block_shape, self._paged.dtype
         for start in range(0, len(self._keys), self._chunk):
             part = range(start, min(start + self._chunk, len(self._keys)))
-            w = self._store.begin_layers([self._keys[i] for i in part], shape=shape, dtype=dtype)
+            w = self._store.begin_save([self._keys[i] for i in part], shape=shape, dtype=dtype)
             if w is None:  # the store is down: this step saves nothing
                 self._fail(None)
                 return

@@ -1,0 +1,180 @@
+"""The scheduler side of the vLLM connector: what each step loads and saves.
+
+It runs in vLLM's scheduler process and never touches a page. ``lookup`` asks the store
+for a prompt's longest stored prefix (one ``match_prefix`` round trip), keeping at least
+the last prompt token for vLLM to compute; ``after_alloc`` turns a hit into a load of
+those blocks into the pages vLLM allocated; ``build_meta`` hands the step's loads and
+the full prompt blocks finished in this step (saves) to the worker side
+(engine/vllm/worker_side.py), which moves the bytes. After a failed load the blocks
+vLLM recomputes are planned for saving again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from engine.blockstore import GuardedStore
+from engine.vllm.loads import BlockTransfer
+from engine.vllm.store import ConnectorStats
+from kvstore.keys import Namespace, prefix_keys
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["KVStoreConnectorMetadata", "SchedulerSide", "require_recompute"]
+
+# vLLM's logger tree: its level (VLLM_LOGGING_LEVEL) and format apply to our lines.
+logger = logging.getLogger("vllm.kvstore")
+
+
+@dataclass
+class KVStoreConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, once per step: what to load before and save after it."""
+
+    loads: list[BlockTransfer] = field(default_factory=list)
+    saves: list[BlockTransfer] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _RequestState:
+    """Scheduler-side facts about one live request."""
+
+    keys: list[bytes]  # keys of the prompt's full blocks
+    local_tokens: int = 0  # tokens vLLM had locally at the latest lookup
+    stored: int = 0  # leading blocks the store held at the latest lookup
+    planned: int = 0  # leading blocks stored or already handed to the worker for saving
+    loaded: dict[int, int] = field(default_factory=dict)  # page id -> block index
+
+
+class SchedulerSide:
+    """Per-request state and the step plans built from it (one per scheduler)."""
+
+    def __init__(
+        self,
+        namespace: Namespace,
+        store: GuardedStore,
+        stats: ConnectorStats,
+        *,
+        load_enabled: bool,
+        save_enabled: bool,
+    ) -> None:
+        self.namespace = namespace
+        self.block_size = namespace.kv_layout.block_tokens or 0
+        self.store, self.stats = store, stats
+        self.load_enabled, self.save_enabled = load_enabled, save_enabled
+        self._reqs: dict[str, _RequestState] = {}
+        self._pending_loads: list[BlockTransfer] = []
+
+    def _state(self, req_id: str, prompt: Sequence[int] | None) -> _RequestState | None:
+        st = self._reqs.get(req_id)
+        if st is None and prompt is not None:
+            keys: list[bytes] = list(prefix_keys(prompt, self.block_size, self.namespace))
+            st = self._reqs[req_id] = _RequestState(keys=keys)
+        return st
+
+    def matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        """Tokens the store can supply beyond vLLM's local prefix, as whole blocks.
+
+        One ``match_prefix`` over the prompt's full blocks; a saving side asks too, so
+        it never writes (nor even gathers) blocks the store already holds.
+        """
+        st = self._state(request.request_id, request.prompt_token_ids)
+        if st is None or not st.keys:
+            return 0
+        st.local_tokens = num_computed_tokens
+        # Keep the last prompt token for vLLM: its logits give the first output token.
+        usable = min(len(st.keys), (request.num_prompt_tokens - 1) // self.block_size)
+        load = self.load_enabled and num_computed_tokens % self.block_size == 0
+        if not self.save_enabled and (not load or usable * self.block_size <= num_computed_tokens):
+            return 0
+        self.stats.lookups += 1
+        st.stored = self.store.lookup(st.keys)
+        st.planned = max(st.planned, st.stored)
+        if not load:
+            return 0
+        return max(0, min(st.stored, usable) * self.block_size - num_computed_tokens)
+
+    def after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Plan the load of the promised blocks into the pages just allocated."""
+        if num_external_tokens <= 0:
+            return
+        st = self._reqs[request.request_id]
+        page_ids = blocks.get_block_ids()[0]
+        first = st.local_tokens // self.block_size
+        end = first + num_external_tokens // self.block_size
+        self._pending_loads.append(
+            BlockTransfer(request.request_id, st.keys[first:end], page_ids[first:end])
+        )
+        st.loaded = {page_ids[i]: i for i in range(first, end)}  # pages change on preemption
+        self.stats.hit_tokens += num_external_tokens
+
+    def build_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
+        """This step's loads, and saves of the prompt blocks this step completes."""
+        meta = KVStoreConnectorMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        if self.save_enabled:
+            meta.saves = self._plan_saves(scheduler_output)
+        return meta
+
+    def _plan_saves(self, so: SchedulerOutput) -> list[BlockTransfer]:
+        before: dict[str, int] = {}
+        for new in so.scheduled_new_reqs:
+            self._state(new.req_id, new.prompt_token_ids)
+            before[new.req_id] = new.num_computed_tokens
+        cached = so.scheduled_cached_reqs
+        before.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        block_state = so.kv_connector_block_state
+        saves = []
+        for req_id, n_new in so.num_scheduled_tokens.items():
+            st = self._reqs.get(req_id)
+            if st is None or block_state is None or st.planned >= len(st.keys):
+                continue
+            done = min(len(st.keys), (before.get(req_id, 0) + n_new) // self.block_size)
+            page_ids = block_state.get_block_ids(req_id)
+            if done <= st.planned or not page_ids:
+                continue
+            ids = page_ids[0]
+            saves.append(BlockTransfer(req_id, st.keys[st.planned : done], ids[st.planned : done]))
+            st.planned = done
+        return saves
+
+    def after_output(self, connector_output: KVConnectorOutput) -> None:
+        """After a failed load, plan the save of the recomputed blocks again."""
+        bad = connector_output.invalid_block_ids
+        if not bad:
+            return
+        for st in self._reqs.values():
+            failed = [i for page, i in st.loaded.items() if page in bad]
+            if failed:
+                st.planned = min(st.planned, min(failed))
+                st.loaded = {p: i for p, i in st.loaded.items() if i < min(failed)}
+
+    def finished(self, request: Request) -> None:
+        """Forget a finished request."""
+        self._reqs.pop(request.request_id, None)
+
+
+def require_recompute(transfer_config: Any) -> None:
+    """Make a failed load cost a recompute, not the request (vLLM's default fails it).
+
+    The scheduler reads the policy right after creating its connector, so setting it
+    here takes effect. An explicit ``"fail"`` cannot be told from the default, hence
+    the warning.
+    """
+    if getattr(transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
+        logger.warning(
+            "KVStoreConnector: setting kv_load_failure_policy='recompute' (was %r) so that "
+            "a store miss, corrupt block or outage recomputes instead of failing requests",
+            transfer_config.kv_load_failure_policy,
+        )
+        transfer_config.kv_load_failure_policy = "recompute"
