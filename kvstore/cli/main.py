@@ -59,7 +59,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = _command(argv)
     try:
-        parser = build_parser(load_commands=(command,) if extension_for(command) else ())
+        ext = extension_for(command)
+        parser = build_parser(load_commands=(ext.command,) if ext else ())
     except MissingExtra as exc:
         print(exc, file=sys.stderr)
         return 1

@@ -30,16 +30,27 @@ RANK = {room: i for i, rooms in enumerate(LAYERS) for room in rooms}
 APART = [("client", "server"), ("server", "client")]
 
 
+# engine/: what each group drives, over the one store protocol; serving composes them.
+ENGINE_LAYERS: list[set[str]] = [
+    {"blockstore"},
+    {"hf", "vllm", "planning"},
+    {"serving"},
+    {"demo"},
+]
+ENGINE_RANK = {room: i for i, rooms in enumerate(ENGINE_LAYERS) for room in rooms}
+ENGINE_APART = [(a, b) for a in ("hf", "vllm", "planning") for b in ("hf", "vllm", "planning")]
+
+
 def module_name(path: Path) -> str:
     rel = path.relative_to(ROOT).with_suffix("")
     parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
     return ".".join(parts)
 
 
-def modules() -> dict[str, Path]:
+def modules(package: Path = PACKAGE) -> dict[str, Path]:
     return {
         module_name(p): p
-        for p in PACKAGE.rglob("*.py")
+        for p in package.rglob("*.py")
         if "_proto" not in p.relative_to(ROOT).parts
     }
 
@@ -66,10 +77,10 @@ def imports_of(path: Path, name: str, top: str = "kvstore") -> Iterator[str]:
                 yield f"{base}.{a.name}"
 
 
-def graph() -> dict[str, set[str]]:
-    mods = modules()
+def graph(top: str = "kvstore") -> dict[str, set[str]]:
+    mods = modules(ROOT / top)
     return {
-        name: {m for m in imports_of(path, name) if m in mods and m != name}
+        name: {m for m in imports_of(path, name, top) if m in mods and m != name}
         for name, path in mods.items()
     }
 
@@ -162,3 +173,23 @@ def test_no_import_cycles() -> None:
 )
 def test_the_cycle_finder_finds_cycles(edges: dict[str, set[str]], cyclic: bool) -> None:
     assert (find_cycle(edges) is not None) == cyclic
+
+
+def test_engine_groups_stand_apart_and_serving_composes_them() -> None:
+    """hf/, vllm/ and planning/ never import each other; nothing imports serving/ or
+    demo/ from below; every engine module belongs to a group."""
+    bad = []
+    for a, deps in graph("engine").items():
+        ra = room(a)
+        assert ra in ENGINE_RANK or ra == "", f"{a}: engine room without a layer"
+        for b in deps:
+            rb = room(b)
+            if ra != rb and (ra, rb) in ENGINE_APART:
+                bad.append(f"{a} ({ra}) imports {b} ({rb})")
+            elif ra in ENGINE_RANK and rb in ENGINE_RANK and ENGINE_RANK[rb] > ENGINE_RANK[ra]:
+                bad.append(f"{a} ({ra}) imports {b} ({rb}), a layer above it")
+    assert not bad, "\n".join(sorted(bad))
+    cycle = find_cycle(
+        {a: {b for b in d if not a.startswith(b + ".")} for a, d in graph("engine").items()}
+    )
+    assert cycle is None, " -> ".join(cycle or [])
