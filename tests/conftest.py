@@ -52,6 +52,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.process)
+    cuda = [item for item in items if item.get_closest_marker("cuda") is not None]
+    if cuda and not _cuda_device():
+        skip = pytest.mark.skip(reason="needs a CUDA device (scripts/device_check.sh runs these)")
+        for item in cuda:
+            item.add_marker(skip)
+
+
+def _cuda_device() -> bool:
+    """Whether torch sees a CUDA device; torch is imported only when a ``cuda`` test was
+    collected."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
 
 
 @pytest.fixture(autouse=True)

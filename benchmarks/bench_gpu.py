@@ -1,0 +1,240 @@
+"""KV into and out of GPU memory through the served store, each row against its anchor in
+the same run (issue 31's table). Needs a CUDA device; without one it says so and exits 0.
+
+Rows (median of ``--runs``; every figure is GB/s of payload unless it says otherwise):
+
+- same-host ``batch_get_into`` of 480 x 512 KiB bf16 blocks (a 7,680-token prefix of a
+  1B Llama: 16 layers, 8 KV heads of 64, 16-token blocks) into views of one CUDA tensor,
+  through a ``kvstore serve`` on this host, against one pinned H2D copy of the same bytes
+  (target >= 0.8);
+- the same batch over TCP, against the same TCP batch into host memory (target >= 0.9);
+- ``put`` from CUDA tensors through the same server (DRAM top tier), 1/4/16 MiB, against
+  a pinned D2H copy of the same bytes (target >= 0.5);
+- node-level HBM and DRAM copies (benchmarks/gpu_node.py) and the TTFT of a prefill
+  worker whose prefix is in the served store against recomputing it
+  (benchmarks/gpu_ttft.py), where those modules are present.
+
+Every fetched block is compared with what was put, once per run, outside the timing:
+a wrong byte fails the benchmark.
+
+Usage: python benchmarks/bench_gpu.py [--runs 5] [--out FILE.md] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_service import TOKEN, kvstore_server
+
+from kvstore import StoreClient
+
+MiB = 1 << 20
+PREFIX_BLOCKS = 480
+BLOCK_SHAPE = (16, 2, 8, 16, 64)  # [layers, 2, kv_heads, block_tokens, head_dim]: 512 KiB
+PUT_SIZES = (1 * MiB, 4 * MiB, 16 * MiB)
+PUT_BYTES = 128 * MiB  # moved per put measurement
+
+
+DEVICE = "cuda"  # --device cpu: the same code on CPU tensors, a smoke run with no GPU
+
+
+def _sync() -> None:
+    import torch
+
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _pinned(t: Any) -> Any:
+    return t.pin_memory() if DEVICE == "cuda" else t
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    """Seconds for one call of ``fn``, the device drained on both sides."""
+    _sync()
+    t0 = time.perf_counter()
+    fn()
+    _sync()
+    return time.perf_counter() - t0
+
+
+def median_rate(nbytes: int, fn: Callable[[], Any], runs: int) -> float:
+    """GB/s: the median over ``runs`` timed calls (one untimed warm-up first)."""
+    fn()
+    return nbytes / statistics.median(timed(fn) for _ in range(runs)) / 1e9
+
+
+@contextmanager
+def client(address: str, transport: str) -> Iterator[StoreClient]:
+    with StoreClient.connect(address, token=TOKEN, transport=transport) as c:
+        yield c
+
+
+def _blocks(n: int) -> tuple[list[bytes], Any]:
+    """``n`` distinct keys and one CUDA bf16 tensor holding their blocks, one per row."""
+    import torch
+
+    keys = [_key(f"prefix-{i}") for i in range(n)]
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
+    src = torch.randn((n, *BLOCK_SHAPE), generator=gen, device=DEVICE, dtype=torch.float32)
+    return keys, src.to(torch.bfloat16)
+
+
+def prefix_rows(address: str, runs: int) -> list[dict[str, Any]]:
+    """Rows 1 and 2: the prefix into CUDA over shm and TCP, with their anchors."""
+    import torch
+
+    keys, src = _blocks(PREFIX_BLOCKS)
+    nbytes = src.numel() * src.element_size()
+    with client(address, "auto") as c:
+        assert all(r is True or r is False for r in c.batch_put(keys, list(src.cpu()))), "put"
+    dst = torch.empty_like(src)
+    host = torch.empty_like(src, device="cpu")
+    pinned = _pinned(src.cpu())
+    outs = list(dst)
+    rows = []
+    h2d = median_rate(nbytes, lambda: dst.copy_(pinned, non_blocking=True), runs)
+    for transport in ("shm", "tcp"):
+        with client(address, transport) as c:
+
+            def into_cuda(c: StoreClient = c) -> None:
+                assert all(r is True for r in c.batch_get_into(keys, outs)), "a block missed"
+
+            def into_host(c: StoreClient = c) -> None:
+                assert all(r is True for r in c.batch_get_into(keys, list(host)))
+
+            dst.zero_()
+            ours = median_rate(nbytes, into_cuda, runs)
+            assert torch.equal(dst, src), f"{transport}: wrong bytes landed in CUDA"
+            if transport == "shm":
+                rows.append(
+                    _row(
+                        f"shm batch_get_into {DEVICE}, 480 x 512 KiB", ours, "pinned H2D", h2d, 0.8
+                    )
+                )
+            else:
+                anchor = median_rate(nbytes, into_host, runs)
+                rows.append(
+                    _row(
+                        f"tcp batch_get_into {DEVICE}, 480 x 512 KiB",
+                        ours,
+                        "tcp into host",
+                        anchor,
+                        0.9,
+                    )
+                )
+    return rows
+
+
+def put_rows(address: str, runs: int) -> list[dict[str, Any]]:
+    """Row 3: puts from CUDA tensors, against a pinned D2H copy of the same bytes."""
+    with client(address, "auto") as c:
+        return [_put_row(c, size, runs) for size in PUT_SIZES]
+
+
+def _put_row(c: StoreClient, size: int, runs: int) -> dict[str, Any]:
+    import torch
+
+    n = PUT_BYTES // size
+    src = torch.randint(0, 255, (n, size), dtype=torch.uint8, device=DEVICE)
+    pinned = _pinned(torch.empty((n, size), dtype=torch.uint8))
+    rounds = iter(range(1 << 30))
+
+    def put() -> None:
+        r = next(rounds)
+        keys = [_key(f"put-{size}-{r}-{i}") for i in range(n)]
+        assert all(x is True for x in c.batch_put(keys, list(src))), "a put failed"
+        c.remove(keys)
+
+    ours = median_rate(n * size, put, runs)
+    d2h = median_rate(n * size, lambda: pinned.copy_(src, non_blocking=True), runs)
+    return _row(f"put from {DEVICE}, {size // MiB} MiB", ours, "pinned D2H", d2h, 0.5)
+
+
+def _key(name: str) -> bytes:
+    return hashlib.blake2b(name.encode(), digest_size=16).digest()
+
+
+def _row(what: str, ours: float, anchor_name: str, anchor: float, target: float) -> dict[str, Any]:
+    ratio = ours / anchor if anchor else 0.0
+    return {
+        "measure": what,
+        "ours_gbps": round(ours, 2),
+        "anchor": anchor_name,
+        "anchor_gbps": round(anchor, 2),
+        "ratio": round(ratio, 3),
+        "target": target,
+        "met": ratio >= target,
+    }
+
+
+def optional_rows(runs: int, address: str) -> list[dict[str, Any]]:
+    """Rows from the node-level and TTFT modules beside this one, where present."""
+    rows: list[dict[str, Any]] = []
+    for module, fn in (("gpu_node", "rows"), ("gpu_ttft", "rows")):
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError:
+            rows.append({"measure": f"{module}.py", "missing": True})
+            continue
+        rows += getattr(mod, fn)(runs=runs, address=address, device=DEVICE)
+    return rows
+
+
+def report(rows: list[dict[str, Any]], device: str) -> str:
+    lines = [f"bench_gpu on {device}", "", "| measure | ours | anchor | ratio | target | met |"]
+    lines.append("|---|---|---|---|---|---|")
+    for r in rows:
+        if r.get("missing"):
+            lines.append(f"| {r['measure']} | MISSING | | | | |")
+            continue
+        anchor = f"{r['anchor']} {r['anchor_gbps']}"
+        lines.append(
+            f"| {r['measure']} | {r['ours_gbps']} | {anchor} | {r['ratio']} | "
+            f">= {r['target']} | {'yes' if r['met'] else 'NO'} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--out", type=Path, help="append the Markdown table here")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    args = parser.parse_args()
+    import torch
+
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        print("bench_gpu: no CUDA device; nothing measured")
+        return 0
+    device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke run)"
+    with kvstore_server("2GiB") as facts:
+        address = f"127.0.0.1:{facts['port']}"
+        rows = prefix_rows(address, args.runs) + put_rows(address, args.runs)
+        rows += optional_rows(args.runs, address)
+    text = report(rows, device)
+    print(json.dumps(rows, indent=1) if args.json else text, flush=True)
+    if args.out:
+        with args.out.open("a") as fh:
+            fh.write(text + "\n\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The GPU machine's checks, in one call of at most 5 minutes: the tests marked `cuda`,
+# benchmarks/bench_gpu.py, and (DEVICE_CHECK_CORES=1, when time allows) the 16-core
+# aggregate of benchmarks/bench_service.py (1-8 client processes). Every figure goes to
+# one file, $OUT/device_figures.md, beside the logs.
+#
+# That machine has no package registry. Prepare what it lacks first, on a machine that
+# has one (it writes the git-ignored .device/):
+#     bash scripts/device_prep.sh
+# then run this there with .device carried:
+#     device run: command "bash scripts/device_check.sh", carry [".device"], timeout_s 420
+#
+# .device/wheels holds Python 3.12 manylinux wheels (lmdb, aetcd, starlette, uvicorn,
+# redis, hiredis, grpcio and protobuf at the versions kvstore/_proto was generated for),
+# installed here with `pip install --no-index --no-deps --target`; .device/root holds
+# Debian's etcd-server and redis-server unpacked with `dpkg -x` (binaries on PATH, their
+# libraries on LD_LIBRARY_PATH). Nothing is installed outside /tmp.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/device-check}
+mkdir -p "$OUT"
+FIGURES="$OUT/device_figures.md"
+SITE=/tmp/kvstore-site
+START=$SECONDS
+
+step() { echo "== $* ($((SECONDS - START)) s)" | tee -a "$FIGURES"; }
+
+if [ ! -d .device/wheels ]; then
+    echo "no .device/: run 'bash scripts/device_prep.sh' on a machine with a registry and carry .device" >&2
+    exit 2
+fi
+# DEVICE_CHECK_SKIP_INSTALL=1: a dry run of the script on a machine that has them all.
+if [ "${DEVICE_CHECK_SKIP_INSTALL:-0}" != "1" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$SITE" .device/wheels/*.whl || exit 3
+fi
+export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1 UCX_NET_DEVICES=lo
+export PATH="$PWD/.device/root/usr/bin:$PATH"
+export LD_LIBRARY_PATH="$PWD/.device/root/usr/lib/x86_64-linux-gnu:$PWD/.device/root/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
+
+{
+    echo "# device check, $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+    nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max \
+        --format=csv,noheader 2>&1
+    echo "cores: $(nproc)"
+    python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
+} | tee -a "$FIGURES"
+
+step "tests marked cuda"
+timeout 150 python3 -m pytest -q -m cuda -p no:cacheprovider -o addopts="" tests/gpu \
+    2>&1 | tee "$OUT/cuda_tests.log" | tail -25
+tail -3 "$OUT/cuda_tests.log" >> "$FIGURES"
+
+step "benchmarks/bench_gpu.py"
+timeout 150 python3 benchmarks/bench_gpu.py --runs 5 --out "$FIGURES" 2>&1 | tee "$OUT/bench_gpu.log" | tail -30
+
+if [ "${DEVICE_CHECK_CORES:-0}" = "1" ] && [ $((SECONDS - START)) -lt 200 ]; then
+    step "benchmarks/bench_service.py, 1-8 client processes beside Redis (issue 32)"
+    timeout 120 python3 benchmarks/bench_service.py --runs 1 --no-mooncake --clients 1,2,4,8 \
+        2>&1 | tee "$OUT/bench_service.log" | tail -40 | tee -a "$FIGURES"
+fi
+step "done"
