@@ -277,7 +277,9 @@ class _NoStore:
     def get_into(self, key: bytes, out: Any, *, namespace: Any = None) -> bool:
         return False
 
-    def batch_put(self, keys: Sequence[bytes], values: Sequence[Any]) -> list[Any]:
+    def batch_put(
+        self, keys: Sequence[bytes], values: Sequence[Any], *, namespace: Any = None
+    ) -> list[Any]:
         raise KVStoreError("this worker has no store node")
 
     def batch_get_into(
@@ -285,6 +287,7 @@ class _NoStore:
         keys: Sequence[bytes],
         outs: Sequence[Any],
         *,
+        namespace: Any = None,
         layers: tuple[int, int] | None = None,
     ) -> list[Any]:
         return [False] * len(keys)
