@@ -181,7 +181,9 @@ class PrefillWorker:
             n, cache = 0, None
         t1 = time.perf_counter()
         start = n * ad.block_tokens
-        out = ad.model(ad.input_ids(ids[start:]), past_key_values=cache, use_cache=True)
+        out = ad.model(
+            ad.input_ids(ids[start:]), past_key_values=cache, use_cache=True, logits_to_keep=1
+        )  # only the last position's logits are used (generate() asks for the same)
         first = int(out.logits[0, -1].argmax())
         cache = out.past_key_values
         t2 = time.perf_counter()
@@ -292,7 +294,9 @@ class DecodeWorker:
             n, cache = 0, None
         self.last_loaded_blocks = n
         start = n * ad.block_tokens
-        out = ad.model(ad.input_ids(ids[start:]), past_key_values=cache, use_cache=True)
+        out = ad.model(
+            ad.input_ids(ids[start:]), past_key_values=cache, use_cache=True, logits_to_keep=1
+        )  # only the last position's logits are used (generate() asks for the same)
         if int(out.logits[0, -1].argmax()) != handoff.first_token:
             # Same weights and same KV give the same token; a difference means the
             # loaded KV is not what prefill computed. Counted, and prefill's token wins.
