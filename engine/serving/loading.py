@@ -180,5 +180,5 @@ def load_model(
     tok = load_tokenizer(name)
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(name, dtype=td).to(dev).eval()
-    return LoadedModel(model_id(name), m, tok, td)
+    loaded: Any = AutoModelForCausalLM.from_pretrained(name, dtype=td)
+    return LoadedModel(model_id(name), loaded.to(dev).eval(), tok, td)

@@ -132,8 +132,8 @@ def test_worker_defaults_to_cuda_and_calibrates_there() -> None:
     assert resolve_device(None).type == "cuda"
     lm = load_model("tiny", "bf16", device=resolve_device("cuda"))
     assert lm.device.type == "cuda"
-    fit = calibrate_prefill(lm.model, 512, lm.max_context, points=((32, 0), (64, 32)), min_points=1)
-    assert fit is not None
+    fit = calibrate_prefill(lm.model, 512, lm.max_context)
+    assert all(c >= 0 for c in fit.coeffs)
 
 
 def test_measure_ttft_smoke_on_cuda() -> None:
