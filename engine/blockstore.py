@@ -73,23 +73,26 @@ class BlockStore(Protocol):
     """What an engine needs from a store: a :class:`kvstore.StoreClient` is one, and
     :class:`NodeStore` adapts an in-process :class:`kvstore.StoreNode`.
 
-    Per block (the transformers adapter and workers), the namespace given with each
-    call or bound at open; per batch (the vLLM connector), the namespace bound at open,
-    each key's own outcome reported (True, False for a miss or an already stored key,
-    or that key's error).
+    Every call takes the namespace given with it, or the one bound at open when none
+    is (the vLLM connector binds it; the transformers adapter passes its own). A batch
+    call reports each key's own outcome (True, False for a miss or an already stored
+    key, or that key's error): the adapter moves a prefix as one batch.
     """
 
     def put(self, key: bytes, value: Any, *, namespace: Namespace | None = None) -> bool: ...
 
     def get_into(self, key: bytes, out: Any, *, namespace: Namespace | None = None) -> bool: ...
 
-    def batch_put(self, keys: Sequence[bytes], values: Sequence[Any]) -> list[Any]: ...
+    def batch_put(
+        self, keys: Sequence[bytes], values: Sequence[Any], *, namespace: Namespace | None = None
+    ) -> list[Any]: ...
 
     def batch_get_into(
         self,
         keys: Sequence[bytes],
         outs: Sequence[Any],
         *,
+        namespace: Namespace | None = None,
         layers: tuple[int, int] | None = None,
     ) -> list[Any]: ...
 
@@ -132,24 +135,28 @@ class NodeStore:
     def get_into(self, key: bytes, out: Any, *, namespace: Namespace | None = None) -> bool:
         return self.node.get_into(key, out, namespace=namespace or self.namespace)
 
-    def batch_put(self, keys: Sequence[bytes], values: Sequence[Any]) -> list[Any]:
-        return list(self.node.batch_put(keys, values, namespace=self.namespace))
+    def batch_put(
+        self, keys: Sequence[bytes], values: Sequence[Any], *, namespace: Namespace | None = None
+    ) -> list[Any]:
+        return list(self.node.batch_put(keys, values, namespace=namespace or self.namespace))
 
     def batch_get_into(
         self,
         keys: Sequence[bytes],
         outs: Sequence[Any],
         *,
+        namespace: Namespace | None = None,
         layers: tuple[int, int] | None = None,
     ) -> list[Any]:
+        ns = namespace or self.namespace
         if layers is None:
-            return list(self.node.batch_get_into(keys, outs, namespace=self.namespace))
+            return list(self.node.batch_get_into(keys, outs, namespace=ns))
         # in process there is no transfer to pipeline: read whole blocks, hand the range
         if not outs:
             return []
-        shape = self.namespace.kv_layout.block_shape()
+        shape = ns.kv_layout.block_shape()
         wholes = [outs[0].new_empty(shape) for _ in keys]
-        got = list(self.node.batch_get_into(keys, wholes, namespace=self.namespace))
+        got = list(self.node.batch_get_into(keys, wholes, namespace=ns))
         a, b = layers
         for r, whole, out in zip(got, wholes, outs, strict=True):
             if r is True:
@@ -372,17 +379,22 @@ class GuardedStore:
     def get_into(self, key: bytes, out: Any, *, namespace: Namespace | None = None) -> bool:
         return bool(self._raising("get", lambda s: s.get_into(key, out, namespace=namespace)))
 
-    def batch_put(self, keys: Sequence[bytes], values: Sequence[Any]) -> list[Any]:
-        return self._raising("put", lambda s: s.batch_put(keys, values))
+    def batch_put(
+        self, keys: Sequence[bytes], values: Sequence[Any], *, namespace: Namespace | None = None
+    ) -> list[Any]:
+        return self._raising("put", lambda s: s.batch_put(keys, values, **_ns(namespace)))
 
     def batch_get_into(
         self,
         keys: Sequence[bytes],
         outs: Sequence[Any],
         *,
+        namespace: Namespace | None = None,
         layers: tuple[int, int] | None = None,
     ) -> list[Any]:
-        return self._raising("get", lambda s: s.batch_get_into(keys, outs, layers=layers))
+        return self._raising(
+            "get", lambda s: s.batch_get_into(keys, outs, layers=layers, **_ns(namespace))
+        )
 
     def match_prefix(self, keys: Sequence[bytes]) -> int:
         return int(self._raising("match_prefix", lambda s: s.match_prefix(keys)))
@@ -450,6 +462,12 @@ class GuardedStore:
     def discard(self, keys: Sequence[bytes]) -> None:
         """Drop blocks that failed to load (best effort)."""
         self._call("remove", lambda s: s.remove(keys), 0)
+
+
+def _ns(namespace: Namespace | None) -> dict[str, Namespace]:
+    """``namespace=`` only when given: a client bound at open (the vLLM connector's, a
+    test's wrapper) need not take the keyword at all."""
+    return {} if namespace is None else {"namespace": namespace}
 
 
 def _close_quietly(store: BlockStore | None, logger: logging.Logger) -> None:

@@ -16,6 +16,18 @@ compressed bytes (and checksum them), and the engine sees its own dtype. A store
 still hands back bytes of the wrong size or kind raises, which the readers here treat
 as a miss.
 
+Any device: every tensor made here (blocks, staging, landing buffers, rebuilt caches)
+is made on the model's device (:func:`model_device`), so a model on ``cuda`` never sees
+a CPU index or a host round trip, and a model on ``cpu`` runs the very same code (the
+CPU tests cover the path a GPU runs). A prefix moves as one batch (engine/hf/blockio.py):
+
+- written: its blocks are gathered on the device into one contiguous staging tensor
+  ``[n, L, 2, H, B, D]`` (two strided copies per layer, not one per block and layer),
+  and its rows go to the store in one ``batch_put``;
+- read: one ``batch_get_into`` lands every block in a row of one contiguous tensor on
+  the device, and the DynamicCache is rebuilt from it there, one copy per layer's keys
+  and values, never through per-layer host copies.
+
 Only batch size 1 is handled: disaggregated workers process one request at a time
 per adapter call, and batching happens above this layer.
 """
@@ -28,12 +40,23 @@ from typing import Any
 import torch
 
 from engine.blockstore import BlockStore
+from engine.hf.blockio import get_prefix_into, matched_blocks, put_batch
 from kvstore.codec import get_codec, normalize_codec
 from kvstore.codec.base import KVCodec
 from kvstore.errors import KVStoreError, LayoutMismatch
 from kvstore.keys import BlockKey, Namespace, prefix_keys
 
-__all__ = ["HFKVAdapter", "layout_of"]
+__all__ = ["HFKVAdapter", "layout_of", "model_device"]
+
+
+def model_device(model: Any) -> torch.device:
+    """Where a model's weights live: the device every tensor the engine makes goes to."""
+    dev = getattr(model, "device", None)
+    if isinstance(dev, torch.device):
+        return dev
+    for p in model.parameters():
+        return torch.device(p.device)
+    return torch.device("cpu")
 
 
 def layout_of(
@@ -52,7 +75,8 @@ def layout_of(
 
 
 class HFKVAdapter:
-    """Cuts a DynamicCache into store blocks and rebuilds one from stored blocks."""
+    """Cuts a DynamicCache into store blocks and rebuilds one from stored blocks, on the
+    model's device (:attr:`device`)."""
 
     def __init__(
         self,
@@ -66,6 +90,7 @@ class HFKVAdapter:
         self.model = model
         self.block_tokens = block_tokens
         self.dtype: torch.dtype = model.dtype
+        self.device = model_device(model)
         layout = layout_of(model.config, self.dtype, block_tokens, codec=kv_codec)
         self.namespace = Namespace(model_id, layout, tenant)
         self.layout = self.namespace.kv_layout
@@ -79,60 +104,116 @@ class HFKVAdapter:
         """Keys of the prompt's full blocks."""
         return prefix_keys(token_ids, self.block_tokens, self.namespace)
 
+    def input_ids(self, ids: Sequence[int]) -> torch.Tensor:
+        """A batch-1 ``[1, len(ids)]`` id tensor on the model's device."""
+        return torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+
     def reusable_blocks(self, n_prompt_tokens: int, n_stored: int) -> int:
         """Stored blocks worth loading: never the whole prompt, so at least the last
         prompt token is recomputed (its logits give the first generated token)."""
         return max(0, min(n_stored, (n_prompt_tokens - 1) // self.block_tokens))
 
-    def blocks_from_cache(self, cache: Any, start: int, stop: int) -> list[torch.Tensor]:
-        """Blocks ``start..stop-1`` of a batch-1 cache as contiguous ``[L, 2, H, B, D]``."""
-        B = self.block_tokens
-        layers = cache.layers
-        if len(layers) != self.layout.layers:
-            raise LayoutMismatch(f"cache has {len(layers)} layers, layout {self.layout.layers}")
-        out = []
-        for j in range(start, stop):
-            s = slice(j * B, (j + 1) * B)
-            block = torch.empty(self.block_shape, dtype=self.dtype)
-            for li, layer in enumerate(layers):
-                block[li, 0].copy_(layer.keys[0, :, s, :])
-                block[li, 1].copy_(layer.values[0, :, s, :])
-            out.append(block)
-        return out
+    # -- cache -> blocks ----------------------------------------------------------------
 
-    def span_blocks(self, cache: Any, start: int, stop: int) -> list[torch.Tensor]:
-        """Tokens ``start..stop-1`` of a batch-1 cache as blocks, the last one zero-padded.
+    def gather(self, cache: Any, start: int, stop: int) -> torch.Tensor:
+        """Full blocks ``start..stop-1`` of a batch-1 cache as one contiguous staging
+        tensor ``[n, L, 2, H, B, D]`` on the device (its rows are the blocks)."""
+        B = self.block_tokens
+        return self.gather_tokens(cache, start * B, stop * B)
+
+    def gather_tokens(self, cache: Any, start: int, stop: int) -> torch.Tensor:
+        """Tokens ``start..stop-1`` of a batch-1 cache as one contiguous staging tensor
+        of blocks ``[n, L, 2, H, B, D]`` on the device, the last one zero-padded.
 
         How a request hands over KV that is not a full block of its own (the partial
         tail, or a full block whose stored copy is another computation's bytes): the
         padding keeps every stored object in the namespace's block shape, and the
-        reader crops it (:meth:`cache_from_blocks` ``tokens=``).
+        reader crops it (:meth:`cache_from_blocks` ``tokens=``). Each layer's keys and
+        values go in with one strided copy for the full blocks (and one for a partial
+        tail), so the copies per prefix scale with the depth, not with its length.
         """
         B = self.block_tokens
         layers = cache.layers
-        out = []
-        for s0 in range(start, stop, B):
-            s1 = min(s0 + B, stop)
-            block = torch.zeros(self.block_shape, dtype=self.dtype)
-            for li, layer in enumerate(layers):
-                block[li, 0, :, : s1 - s0].copy_(layer.keys[0, :, s0:s1, :])
-                block[li, 1, :, : s1 - s0].copy_(layer.values[0, :, s0:s1, :])
-            out.append(block)
-        return out
+        if len(layers) != self.layout.layers:
+            raise LayoutMismatch(f"cache has {len(layers)} layers, layout {self.layout.layers}")
+        full, rest = divmod(max(stop - start, 0), B)
+        n = full + (rest > 0)
+        staging = torch.empty((n, *self.block_shape), dtype=self.dtype, device=self.device)
+        if rest:
+            staging[full].zero_()
+        for li, layer in enumerate(layers):
+            for kv, src in ((0, layer.keys), (1, layer.values)):
+                x = src[0, :, start:stop]  # [H, t, D]
+                if full:
+                    blocks = x[:, : full * B].unflatten(1, (full, B)).transpose(0, 1)
+                    staging[:full, li, kv].copy_(blocks)
+                if rest:
+                    staging[full, li, kv, :, :rest].copy_(x[:, full * B :])
+        return staging
+
+    def blocks_from_cache(self, cache: Any, start: int, stop: int) -> list[torch.Tensor]:
+        """Blocks ``start..stop-1`` of a batch-1 cache, each ``[L, 2, H, B, D]``: the rows
+        of one :meth:`gather` staging tensor."""
+        return list(self.gather(cache, start, stop).unbind(0))
+
+    def span_blocks(self, cache: Any, start: int, stop: int) -> list[torch.Tensor]:
+        """Tokens ``start..stop-1`` as blocks, the last zero-padded: the rows of one
+        :meth:`gather_tokens` staging tensor."""
+        return list(self.gather_tokens(cache, start, stop).unbind(0))
+
+    # -- blocks -> cache ----------------------------------------------------------------
 
     def cache_from_blocks(self, blocks: torch.Tensor, tokens: int | None = None) -> Any:
         """A DynamicCache holding ``blocks`` (``[n, L, 2, H, B, D]``) as its prefix,
-        cropped to its first ``tokens`` tokens when given (a padded last block)."""
+        cropped to its first ``tokens`` tokens when given (a padded last block), on
+        ``blocks``' device: one copy per layer's keys and values (and one more for a
+        cropped tail), straight into tensors of the cropped size."""
         from transformers import DynamicCache
 
         n, L, _, H, B, D = blocks.shape
         t = n * B if tokens is None else tokens
+        if not 0 <= t <= n * B:
+            raise ValueError(f"{t} tokens do not fit {n} blocks of {B}")
+        full, rest = divmod(t, B)
         data = []
         for li in range(L):
-            k = blocks[:, li, 0].permute(1, 0, 2, 3).reshape(1, H, n * B, D)[:, :, :t]
-            v = blocks[:, li, 1].permute(1, 0, 2, 3).reshape(1, H, n * B, D)[:, :, :t]
-            data.append((k.contiguous(), v.contiguous()))
+            pair = []
+            for kv in (0, 1):
+                x = torch.empty((1, H, t, D), dtype=blocks.dtype, device=blocks.device)
+                if full:
+                    x[0, :, : full * B].unflatten(1, (full, B)).copy_(
+                        blocks[:full, li, kv].transpose(0, 1)
+                    )
+                if rest:
+                    x[0, :, full * B :].copy_(blocks[full, li, kv, :, :rest])
+                pair.append(x)
+            data.append((pair[0], pair[1]))
         return DynamicCache(ddp_cache_data=data, config=self.model.config)
+
+    # -- through a store ----------------------------------------------------------------
+
+    def fetch_blocks(self, store: BlockStore, keys: Sequence[bytes]) -> tuple[int, torch.Tensor]:
+        """Read ``keys`` as one batch into one contiguous ``[n, L, 2, H, B, D]`` tensor on
+        the device; returns (leading blocks that arrived, the tensor). Compressed blocks
+        land as bytes on the device and decode there in one call for the prefix.
+
+        Stops at the first block that is missing, corrupt or refused; rows past the
+        count are not KV and must not be used.
+        """
+        n = len(keys)
+        buf = torch.empty((n, *self.block_shape), dtype=self.dtype, device=self.device)
+        if n == 0:
+            return 0, buf
+        if self.codec is None:
+            return get_prefix_into(store, keys, list(buf.unbind(0)), self.namespace), buf
+        land = torch.empty((n, self.stored_block_bytes), dtype=torch.uint8, device=self.device)
+        got = get_prefix_into(store, keys, list(land.unbind(0)), self.namespace)
+        if got:
+            try:
+                self.codec.decode(land[:got], buf[:got])
+            except KVStoreError:  # a verified block with a bad scale: refuse the prefix
+                got = 0
+        return got, buf
 
     def load_prefix(
         self, store: BlockStore, keys: Sequence[bytes], n_prompt_tokens: int
@@ -142,42 +223,43 @@ class HFKVAdapter:
         Stops at the first block that is missing, corrupt or refused: a prefix is only
         reusable up to its first gap, and a cache may miss but never load wrong KV.
         """
-        n = self.reusable_blocks(n_prompt_tokens, store.match_prefix(keys))
+        n = self.reusable_blocks(n_prompt_tokens, matched_blocks(store, keys))
         if n == 0:
             return 0, None
-        buf = torch.empty((n, *self.block_shape), dtype=self.dtype)
-        # Compressed blocks land as bytes and decode in one call: a prefix's worth of
-        # large operations instead of a few small ones per block.
-        land = (
-            buf
-            if self.codec is None
-            else torch.empty((n, self.stored_block_bytes), dtype=torch.uint8)
-        )
-        got = 0
-        for i in range(n):
-            try:
-                ok = store.get_into(keys[i], land[i], namespace=self.namespace)
-            except KVStoreError:
-                ok = False
-            if not ok:
-                break
-            got += 1
-        if got and self.codec is not None:
-            try:
-                self.codec.decode(land[:got], buf[:got])
-            except KVStoreError:  # a verified block with a bad scale: refuse the prefix
-                got = 0
+        got, buf = self.fetch_blocks(store, keys[:n])
         if got == 0:
             return 0, None
         return got, self.cache_from_blocks(buf[:got])
 
+    def put_blocks(
+        self, store: BlockStore, keys: Sequence[bytes], blocks: torch.Tensor
+    ) -> list[Any]:
+        """Put the rows of a staging tensor (``[n, L, 2, H, B, D]``) under ``keys`` as one
+        batch: each key's outcome (True new, False already stored, or its error).
+
+        Uncompressed rows go to the store where they are (a CUDA tensor's bytes leave
+        the device in the store client's own batched copy). A compressed namespace's
+        rows are encoded on the device in one call, then the encoded batch crosses to
+        the host in one copy: the store takes a codec's blocks as bytes. Raises
+        InvalidValue for a block the codec refuses (inf or nan).
+        """
+        if self.codec is None:
+            values: list[Any] = list(blocks.unbind(0))
+        else:
+            host = self.codec.encode(blocks).reshape(len(keys), -1).cpu().numpy()
+            values = [host[i].data for i in range(len(keys))]
+        return put_batch(store, keys, values, self.namespace)
+
     def store_blocks(self, store: BlockStore, keys: Sequence[bytes], cache: Any, start: int) -> int:
-        """Write full blocks ``start..len(keys)-1`` from ``cache``; returns how many were new."""
-        new = 0
-        for j, block in enumerate(self.blocks_from_cache(cache, start, len(keys)), start):
-            if self.put_block(store, keys[j], block):
-                new += 1
-        return new
+        """Write full blocks ``start..len(keys)-1`` from ``cache`` as one batch; returns
+        how many were new. Raises the first key's error, after the batch has run."""
+        if start >= len(keys):
+            return 0
+        res = self.put_blocks(store, keys[start:], self.gather(cache, start, len(keys)))
+        for r in res:
+            if isinstance(r, Exception):
+                raise r
+        return sum(1 for r in res if r is True)
 
     def put_block(self, store: BlockStore, key: bytes, block: torch.Tensor) -> bool:
         """Put one engine block under this namespace, compressed first when the layout
@@ -204,12 +286,14 @@ class HFKVAdapter:
         that do not fit (which callers here count as a miss, never as KV).
 
         ``staging`` (uint8, :attr:`stored_block_bytes`) lands the compressed bytes;
-        one is allocated when not given.
+        one is allocated on ``out``'s device when not given.
         """
         if self.codec is None:
             return store.get_into(key, out, namespace=self.namespace)
         raw = (
-            torch.empty(self.stored_block_bytes, dtype=torch.uint8) if staging is None else staging
+            torch.empty(self.stored_block_bytes, dtype=torch.uint8, device=out.device)
+            if staging is None
+            else staging
         )
         if not store.get_into(key, raw, namespace=self.namespace):
             return False

@@ -21,6 +21,13 @@ matches them; the serving layer removes them after the decode loaded them.
 When the request-scoped blocks cannot be read (a store node down), the decode worker
 falls back to what the store has and recomputes the rest: a miss and a recompute,
 exact in fp32, and counted (``tail_recomputed``).
+
+Both workers run on whatever device the model is on: every id tensor is made there
+(:meth:`HFKVAdapter.input_ids`), a prefill's new blocks and its request-scoped blocks
+each go to the store as one staged batch, and a decode worker's blocks land as one
+batch in one device tensor (engine/hf/adapter.py). The handoff is exact on a GPU for
+the same reason as on a CPU: the decode worker continues from the very bytes the
+prefill worker held.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from typing import Any
 import torch
 
 from engine.blockstore import BlockStore
-from engine.hf.adapter import HFKVAdapter
+from engine.hf.adapter import HFKVAdapter, model_device
 from kvstore.errors import KVStoreError
 
 __all__ = [
@@ -122,12 +129,14 @@ def greedy_continue(
     the decode worker run exactly this, which is what makes them agree bit for bit.
     """
     tok = first
+    device = model_device(model)
     for i in range(max_new_tokens):
         yield tok
         if tok in stop_ids or i == max_new_tokens - 1:
             return
         with torch.inference_mode():
-            out = model(torch.tensor([[tok]]), past_key_values=cache, use_cache=True)
+            ids = torch.tensor([[tok]], dtype=torch.long, device=device)
+            out = model(ids, past_key_values=cache, use_cache=True)
         cache = out.past_key_values
         tok = int(out.logits[0, -1].argmax())
 
@@ -172,7 +181,9 @@ class PrefillWorker:
             n, cache = 0, None
         t1 = time.perf_counter()
         start = n * ad.block_tokens
-        out = ad.model(torch.tensor([ids[start:]]), past_key_values=cache, use_cache=True)
+        out = ad.model(
+            ad.input_ids(ids[start:]), past_key_values=cache, use_cache=True, logits_to_keep=1
+        )  # only the last position's logits are used (generate() asks for the same)
         first = int(out.logits[0, -1].argmax())
         cache = out.past_key_values
         t2 = time.perf_counter()
@@ -188,35 +199,44 @@ class PrefillWorker:
         return h, cache
 
     def _store_new(self, keys: Sequence[bytes], cache: Any, n: int) -> tuple[int, int]:
-        """Write full blocks ``n..`` from ``cache``; returns (leading blocks whose stored
-        bytes are this cache's, blocks newly written)."""
+        """Write full blocks ``n..`` from ``cache`` as one staged batch; returns (leading
+        blocks whose stored bytes are this cache's, blocks newly written)."""
+        if n >= len(keys):
+            return n, 0
+        ad = self.adapter
+        res = ad.put_blocks(self.store, keys[n:], ad.gather(cache, n, len(keys)))
         shared, new, exact = n, 0, True
-        for j, block in enumerate(self.adapter.blocks_from_cache(cache, n, len(keys)), n):
-            try:
-                ok = self.store.put(keys[j], block, namespace=self.adapter.namespace)
-            except KVStoreError as exc:
-                self._failed("put", exc)
+        for j, r in enumerate(res, n):
+            if isinstance(r, Exception):
+                self._failed("put", r)
                 break
-            new += bool(ok)
-            exact = exact and bool(ok)  # False: another computation's copy is stored
+            new += r is True
+            exact = exact and r is True  # False: another computation's copy is stored
             if exact:
                 shared = j + 1
         return shared, new
 
     def _put_scoped(self, request_id: str, cache: Any, start: int, stop: int) -> list[str]:
-        """Write tokens ``start..stop-1`` as request-scoped blocks; [] if any write fails."""
-        blocks = self.adapter.span_blocks(cache, start, stop)
+        """Write tokens ``start..stop-1`` as request-scoped blocks, one staged batch;
+        [] if any write fails (then the ones written are removed, best effort)."""
+        ad = self.adapter
+        blocks = ad.gather_tokens(cache, start, stop)
         keys = scoped_keys(request_id, len(blocks))
-        for k, b in zip(keys, blocks, strict=True):
+        res = ad.put_blocks(self.store, keys, blocks)
+        bad = next((r for r in res if r is not True), None)
+        if bad is None:
+            return [k.hex() for k in keys]
+        if isinstance(bad, Exception):
+            self._failed("put request-scoped blocks", bad)
+        written = [k for k, r in zip(keys, res, strict=True) if r is True]
+        if written:
             try:
-                if not self.store.put(k, b, namespace=self.adapter.namespace):
-                    return []
+                self.store.remove(written)
             except KVStoreError as exc:
-                self._failed("put request-scoped block", exc)
-                return []
-        return [k.hex() for k in keys]
+                log.info("could not remove request-scoped blocks (%s)", exc)
+        return []
 
-    def _failed(self, what: str, exc: KVStoreError) -> None:
+    def _failed(self, what: str, exc: Exception) -> None:
         self.store_errors += 1
         log.warning("prefill: store %s failed (%s); continuing without it", what, exc)
 
@@ -257,13 +277,8 @@ class DecodeWorker:
         if shared < 0 or (shared * ad.block_tokens < len(ids) and not handoff.scoped):
             return None
         keys = list(ad.keys(ids)[:shared]) + handoff.scoped_keys()
-        buf = torch.empty((len(keys), *ad.block_shape), dtype=ad.dtype)
-        try:
-            for i, k in enumerate(keys):
-                if not self.store.get_into(k, buf[i], namespace=ad.namespace):
-                    return None
-        except KVStoreError as exc:
-            log.warning("decode: store read failed (%s); recomputing", exc)
+        got, buf = ad.fetch_blocks(self.store, keys)  # one batch, one device tensor
+        if got < len(keys):
             return None
         self.last_loaded_blocks = shared
         return ad.cache_from_blocks(buf, tokens=len(ids))
@@ -279,7 +294,9 @@ class DecodeWorker:
             n, cache = 0, None
         self.last_loaded_blocks = n
         start = n * ad.block_tokens
-        out = ad.model(torch.tensor([ids[start:]]), past_key_values=cache, use_cache=True)
+        out = ad.model(
+            ad.input_ids(ids[start:]), past_key_values=cache, use_cache=True, logits_to_keep=1
+        )  # only the last position's logits are used (generate() asks for the same)
         if int(out.logits[0, -1].argmax()) != handoff.first_token:
             # Same weights and same KV give the same token; a difference means the
             # loaded KV is not what prefill computed. Counted, and prefill's token wins.

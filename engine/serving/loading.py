@@ -7,7 +7,8 @@ get real text in and out, chat templates and stop tokens included, with no downl
 its own tokenizer and chat template. Anything else is a local path
 ``from_pretrained`` can read.
 
-The router loads only the tokenizer (:func:`load_tokenizer`); a worker loads both.
+The router loads only the tokenizer (:func:`load_tokenizer`); a worker loads both, and
+puts the weights on its device (:func:`resolve_device`: ``cuda`` where torch sees one).
 """
 
 from __future__ import annotations
@@ -22,9 +23,32 @@ import torch
 
 from kvstore.errors import ConfigError
 
-__all__ = ["DTYPES", "LoadedModel", "load_model", "load_tokenizer", "model_id"]
+__all__ = [
+    "DEVICES",
+    "DTYPES",
+    "LoadedModel",
+    "load_model",
+    "load_tokenizer",
+    "model_id",
+    "resolve_device",
+]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DEVICES = ("cpu", "cuda")
+
+
+def resolve_device(name: str | None = None) -> torch.device:
+    """The device a worker runs its model on: ``name`` (``cpu`` or ``cuda``), or, when
+    None, ``cuda`` where torch sees a CUDA device and ``cpu`` elsewhere. Asking for
+    ``cuda`` where there is none is a ConfigError at start, not a failed first request."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in DEVICES:
+        raise ConfigError(f"device {name!r}: choose one of {', '.join(DEVICES)}")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device cuda: torch sees no CUDA device here (use --device cpu)")
+    return torch.device(name)
+
 
 TINY_SPECIALS = ["<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
 TINY_TEMPLATE = (
@@ -101,6 +125,13 @@ class LoadedModel:
     dtype: torch.dtype
 
     @property
+    def device(self) -> torch.device:
+        """Where the weights are (every tensor the engine makes goes there too)."""
+        from engine.hf.adapter import model_device
+
+        return model_device(self.model)
+
+    @property
     def max_context(self) -> int:
         """Most tokens (prompt + output) the model's positions cover."""
         cfg = self.model.config
@@ -122,22 +153,32 @@ class LoadedModel:
         return sorted(out)
 
 
-def load_model(name: str, dtype: str = "fp32", *, tiny_layers: int = 2) -> LoadedModel:
-    """Weights and tokenizer of ``tiny``, ``smollm2`` or a local path, in ``dtype``."""
+def load_model(
+    name: str,
+    dtype: str = "fp32",
+    *,
+    tiny_layers: int = 2,
+    device: str | torch.device = "cpu",
+) -> LoadedModel:
+    """Weights and tokenizer of ``tiny``, ``smollm2`` or a local path, in ``dtype``, on
+    ``device`` (the tiny model's weights are drawn on the CPU first, so a seed gives
+    the same weights on every device)."""
     if dtype not in DTYPES:
         raise ConfigError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     td = DTYPES[dtype]
+    dev = torch.device(device)
     if name == "tiny":
         from engine.hf.models import tiny_llama
 
-        return LoadedModel("tiny", tiny_llama(td, layers=tiny_layers), load_tokenizer("tiny"), td)
+        m = tiny_llama(td, layers=tiny_layers).to(dev)
+        return LoadedModel("tiny", m, load_tokenizer("tiny"), td)
     if name == "smollm2":
         from engine.hf.models import load_smollm2
 
         m, tok = load_smollm2(td)
-        return LoadedModel("smollm2", m, tok, td)
+        return LoadedModel("smollm2", m.to(dev), tok, td)
     tok = load_tokenizer(name)
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(name, dtype=td).eval()
-    return LoadedModel(model_id(name), m, tok, td)
+    loaded: Any = AutoModelForCausalLM.from_pretrained(name, dtype=td)
+    return LoadedModel(model_id(name), loaded.to(dev).eval(), tok, td)

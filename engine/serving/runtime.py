@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from engine.blockstore import GuardedStore, LayerWriter
-from engine.hf.adapter import HFKVAdapter
+from engine.hf.adapter import HFKVAdapter, model_device
 from engine.hf.workers import DecodeWorker, Handoff, PrefillWorker, greedy_continue
 from engine.planning.scheduler import PrefillModel, PrefillSample, fit_prefill_model
 from engine.serving.loading import LoadedModel
@@ -277,7 +277,9 @@ class _NoStore:
     def get_into(self, key: bytes, out: Any, *, namespace: Any = None) -> bool:
         return False
 
-    def batch_put(self, keys: Sequence[bytes], values: Sequence[Any]) -> list[Any]:
+    def batch_put(
+        self, keys: Sequence[bytes], values: Sequence[Any], *, namespace: Any = None
+    ) -> list[Any]:
         raise KVStoreError("this worker has no store node")
 
     def batch_get_into(
@@ -285,6 +287,7 @@ class _NoStore:
         keys: Sequence[bytes],
         outs: Sequence[Any],
         *,
+        namespace: Any = None,
         layers: tuple[int, int] | None = None,
     ) -> list[Any]:
         return [False] * len(keys)
@@ -319,7 +322,7 @@ def calibrate_prefill(
     budget_s: float = 8.0,
     min_points: int = 4,
 ) -> PrefillModel:
-    """Fit the scheduler's prefill time model on this worker's own model and CPU.
+    """Fit the scheduler's prefill time model on this worker's own model and device.
 
     Each point times a forward of ``P - C`` new tokens against ``C`` cached ones
     (median of 3, after one warm-up), the way a prefill with a cache hit runs.
@@ -329,23 +332,32 @@ def calibrate_prefill(
     """
     from transformers import DynamicCache
 
-    gen = torch.Generator().manual_seed(0)
+    device = model_device(model)
+    gen = torch.Generator().manual_seed(0)  # drawn on the CPU: the same ids on any device
     samples: list[PrefillSample] = []
     start = time.perf_counter()
-    model(input_ids=torch.zeros(1, 16, dtype=torch.long), logits_to_keep=1)
+    model(input_ids=torch.zeros(1, 16, dtype=torch.long, device=device), logits_to_keep=1)
     for p, c in points:
         if p > max_tokens:
             continue
         if len(samples) >= min_points and time.perf_counter() - start > budget_s:
             break
-        ids = torch.randint(0, vocab, (1, p), generator=gen)
+        ids = torch.randint(0, vocab, (1, p), generator=gen).to(device)
         times = []
         for _ in range(3):
             cache = DynamicCache(config=model.config)
             if c:
                 model(input_ids=ids[:, :c], past_key_values=cache, logits_to_keep=1)
+            _sync(device)
             t0 = time.perf_counter()
-            model(input_ids=ids[:, c:], past_key_values=cache, logits_to_keep=1)
+            out = model(input_ids=ids[:, c:], past_key_values=cache, logits_to_keep=1)
+            int(out.logits[0, -1].argmax())  # the first token is on the host: the work is done
             times.append(time.perf_counter() - t0)
         samples.append(PrefillSample(p, c, statistics.median(times)))
     return fit_prefill_model(samples, source="worker calibration at start")
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for a device's queued work, so a timer starts when the device is idle."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

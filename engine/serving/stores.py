@@ -37,7 +37,9 @@ class HandoffReader:
     def put(self, key: bytes, value: Any, *, namespace: Namespace | None = None) -> bool:
         raise KVStoreError("a handoff reader does not write")
 
-    def batch_put(self, keys: Sequence[bytes], values: Sequence[Any]) -> list[Any]:
+    def batch_put(
+        self, keys: Sequence[bytes], values: Sequence[Any], *, namespace: Namespace | None = None
+    ) -> list[Any]:
         raise KVStoreError("a handoff reader does not write")
 
     def begin_layers(
@@ -84,9 +86,30 @@ class HandoffReader:
         keys: Sequence[bytes],
         outs: Sequence[Any],
         *,
+        namespace: Namespace | None = None,
         layers: tuple[int, int] | None = None,
     ) -> list[Any]:
-        """Block by block, each from where :meth:`get_into` finds it (whole blocks only)."""
+        """The whole batch from the cluster (one call), then what it missed from the
+        source node (one more call): True for each block read, False for one neither
+        has (whole blocks only)."""
         if layers is not None:
             raise KVStoreError("a handoff reader reads whole blocks")
-        return [self.get_into(k, o) for k, o in zip(keys, outs, strict=True)]
+        got: list[Any] = [False] * len(keys)
+        if self.cluster is not None and keys:
+            try:
+                got = [r is True for r in self.cluster.batch_get_into(keys, outs)]
+            except KVStoreError as exc:
+                log.info("cluster read failed (%s); trying the source node", exc)
+        self.from_cluster += sum(got)
+        todo = [i for i, ok in enumerate(got) if not ok]
+        if self.source is not None and todo:
+            try:
+                res = self.source.batch_get_into(
+                    [keys[i] for i in todo], [outs[i] for i in todo], namespace=namespace
+                )
+            except KVStoreError:
+                return got
+            for i, r in zip(todo, res, strict=True):
+                got[i] = r is True
+                self.from_source += r is True
+        return got

@@ -200,6 +200,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--role", choices=ROLES, required=True, help="prefill, decode or both")
     p.add_argument("--model", default="tiny", help="tiny, smollm2 or a local model directory")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument(
+        "--device",
+        default=None,
+        choices=["cpu", "cuda"],
+        help="where the model runs (default: cuda where torch sees one, else cpu)",
+    )
     p.add_argument("--etcd", default=None, help="etcd HOST:PORT (KVSTORE_ETCD; 127.0.0.1:2379)")
     p.add_argument("--cluster", default=None, help="cluster name in etcd (KVSTORE_CLUSTER)")
     p.add_argument(
@@ -287,15 +293,20 @@ def run_worker(args: argparse.Namespace) -> int:
     """Load the model, open the stores, serve until SIGTERM / SIGINT."""
     import torch
 
-    from engine.serving.loading import load_model
+    from engine.serving.loading import load_model, resolve_device
     from engine.serving.runtime import calibrate_prefill
+    from kvstore.errors import ConfigError
 
     resolve_directory(args)
     torch.set_num_threads(max(args.threads, 1))
     wid = args.worker_id or f"{args.role}-{uuid.uuid4().hex[:6]}"
     if not _ID.fullmatch(wid):
         raise SystemExit(f"worker id {wid!r}: use 1-64 of [A-Za-z0-9._-]")
-    lm = load_model(args.model, args.dtype, tiny_layers=args.tiny_layers)
+    try:
+        device = resolve_device(args.device)
+    except ConfigError as exc:
+        raise SystemExit(f"kvstore worker: {exc}") from exc
+    lm = load_model(args.model, args.dtype, tiny_layers=args.tiny_layers, device=device)
     coeffs = None
     if not args.no_calibrate and args.role != "decode":
         coeffs = calibrate_prefill(lm.model, lm.model.config.vocab_size, lm.max_context).coeffs
@@ -327,6 +338,7 @@ def run_worker(args: argparse.Namespace) -> int:
         "address": record.address,
         "pid": os.getpid(),
         "store_node": args.store_node,
+        "device": str(device),
     }
     try:
         serve_app(app, sock, ready)
