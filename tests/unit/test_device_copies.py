@@ -27,7 +27,7 @@ from kvstore.observe.counters import NodeCounters
 from kvstore.shm.index import IndexReader, IndexWriter, index_name, reader_supported
 from kvstore.shm.segment import SHM_DIR, map_segment
 from kvstore.tenants import Principal
-from tests.unit.test_device_registry import RecordingCudart
+from tests.support.cudart import RecordingCudart
 
 BLOCK = 64 << 10
 

@@ -10,34 +10,7 @@ import logging
 import pytest
 
 from kvstore.client.device.registry import MAX_CHUNK, HostRegistry
-
-
-class RecordingCudart:
-    """The two runtime calls, keeping what is registered; ``fail_at``: the n-th
-    register call (0-based) returns an error code; ``already`` refuses a range that is
-    registered, as the driver does."""
-
-    def __init__(self, fail_at: int | None = None, raises: bool = False) -> None:
-        self.fail_at = fail_at
-        self.raises = raises
-        self.calls: list[tuple[str, int, int]] = []
-        self.registered: dict[int, int] = {}
-
-    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802
-        n = sum(1 for c in self.calls if c[0] == "register")
-        self.calls.append(("register", ptr, size))
-        if self.raises:
-            raise RuntimeError("CUDA driver version is insufficient")
-        if n == self.fail_at:
-            return 2  # cudaErrorMemoryAllocation
-        if any(p < ptr + size and ptr < p + s for p, s in self.registered.items()):
-            return 712  # cudaErrorHostMemoryAlreadyRegistered
-        self.registered[ptr] = size
-        return 0
-
-    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
-        self.calls.append(("unregister", ptr, 0))
-        return 0 if self.registered.pop(ptr, None) is not None else 713
+from tests.support.cudart import RecordingCudart
 
 
 def test_chunks_cover_the_mapping_once_and_go_on_the_last_release() -> None:
@@ -67,7 +40,8 @@ def test_a_copy_is_split_where_it_crosses_a_chunk() -> None:
     assert reg.pieces((1 << 30) + 100, 1000) == [(0, 1000)]
     at = (1 << 30) + (1 << 20) - 10
     assert reg.pieces(at, 30) == [(0, 10), (10, 30)]
-    assert reg.pieces(at, (1 << 20) + 20) == [(0, 10), (10, (1 << 20) + 10), ((1 << 20) + 10, (1 << 20) + 20)]
+    mib = 1 << 20
+    assert reg.pieces(at, mib + 20) == [(0, 10), (10, mib + 10), (mib + 10, mib + 20)]
 
 
 def test_an_overlapping_range_is_never_registered_twice() -> None:

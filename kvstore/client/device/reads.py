@@ -77,7 +77,12 @@ class DeviceRead:
         src = self.segment[offset : offset + n]
         reg = self.reg
         if reg is None:
-            self.receive(dst, n, lambda view: np.copyto(view, src) is None)
+
+            def fill(view: np.ndarray) -> bool:
+                np.copyto(view, src)
+                return True
+
+            self.receive(dst, n, fill)
             return
         dsts, srcs = self._gathered.setdefault(dst.device, ([], []))
         pieces = reg.pieces(reg.base + offset, n)

@@ -207,7 +207,7 @@ _PROCESS_LOCK = threading.Lock()
 def _torch_cudart() -> Cudart:
     import torch
 
-    return torch.cuda.cudart()  # type: ignore[no-any-return]
+    return torch.cuda.cudart()
 
 
 def process_registry() -> HostRegistry:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 import numpy as np
@@ -210,7 +210,7 @@ def leased_into_device(
 
 def copy_in_device(
     side: DeviceSide, placed: Sequence[tuple[Outgoing, int]]
-) -> Iterator[tuple[int, int]]:
+) -> Generator[tuple[int, int], None, None]:
     """Copy device values into their reserved extents (``(item, extent offset)``), in
     order: yields ``(position, xxh3 of what landed)`` as each copy completes, so the
     caller commits item i while item i + 1's copy runs."""
@@ -251,7 +251,7 @@ def stage_values(side: DeviceSide, items: Sequence[Outgoing], hashed: bool) -> N
             marks.append(batch.mark())
         for it, buf, mark, src in zip(todo, bufs, marks, srcs, strict=True):
             mark.wait()
-            it.data = memoryview(buf.view[: int(src.numel())])
+            it.data = memoryview(buf.view[: int(src.numel())])  # type: ignore[arg-type]
             if hashed:
                 it.sum = checksum(it.data)
     finally:
