@@ -167,7 +167,8 @@ class ShmTransport(SocketTransport):
         device: DeviceSide | None = None,
     ) -> None:
         super().__init__(counters, device if device is not None else DeviceSide())
-        self.device.segment = segment.view  # registered with CUDA on first device use
+        # registered with CUDA on the first device call (a stand-in without a mapping: none)
+        self.device.segment = getattr(segment, "view", None)
         self.segment = segment
         self.verify = verify
         self.direct = direct
