@@ -17,6 +17,7 @@ __all__ = [
     "ConfigError",
     "ConflictError",
     "CorruptBlock",
+    "DeviceError",
     "DirectoryError",
     "InvalidKey",
     "InvalidValue",
@@ -172,6 +173,15 @@ class TransportError(KVStoreError):
 
     code = "transport"
     retryable = True
+
+
+class DeviceError(KVStoreError):
+    """A CUDA call failed (an illegal address, out of memory, a lost device) while
+    copying between host memory and a device tensor: the tensors of that call hold no
+    result, and none of them is reported filled. Not retryable: CUDA errors of this kind
+    are sticky for the process's context."""
+
+    code = "device"
 
 
 class DirectoryError(KVStoreError):

@@ -23,6 +23,8 @@ from collections.abc import Callable
 
 from kvstore._proto import store_pb2 as pb
 from kvstore.client.control import Control, ControlChannel
+from kvstore.client.device.copier import CopyEngine
+from kvstore.client.device.registry import HostRegistry
 from kvstore.client.transport.base import Links
 from kvstore.client.transport.pool import ConnPool
 from kvstore.config import ClientConfig
@@ -62,7 +64,18 @@ class Connector(ABC):
 
 
 class SocketConnector(Connector):
-    """gRPC control channel, pooled data sockets, a TCP connect as the probe."""
+    """gRPC control channel, pooled data sockets, a TCP connect as the probe.
+
+    ``device``: the copy engine of the device paths (kvstore/client/device/; None: the
+    CUDA engine, made on the first CUDA tensor); ``registry``: where the node's segment
+    is registered with CUDA (None: this process's). Tests pass a host engine and a
+    registry of their own to run the device paths on CPU tensors."""
+
+    def __init__(
+        self, device: CopyEngine | None = None, registry: HostRegistry | None = None
+    ) -> None:
+        self.device = device
+        self.registry = registry
 
     def control(self, host: str, port: int, config: ClientConfig) -> Control:
         target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -76,7 +89,8 @@ class SocketConnector(Connector):
         locate: Locate,
         server: pb.InfoResponse,
     ) -> Links:
-        return ConnPool(host, config, counters, locate, _tls_context(config), server)
+        tls = _tls_context(config)
+        return ConnPool(host, config, counters, locate, tls, server, self.device, self.registry)
 
     def reachable(self, address: str) -> bool:
         return probe(address)

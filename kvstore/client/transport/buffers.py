@@ -40,6 +40,7 @@ __all__ = [
     "Landing",
     "LandingPool",
     "Outgoing",
+    "check_out",
     "copy_hashed",
     "fresh_landing",
     "out_landing",
@@ -61,9 +62,9 @@ def _is_torch(value: Any) -> bool:
     return type(value).__module__.startswith("torch") and hasattr(value, "untyped_storage")
 
 
-def out_landing(header: BlockHeader, out: Any, nbytes: int | None = None) -> Landing:
-    """Land a block (or ``nbytes`` of it: a layer range) in the caller's preallocated
-    buffer (``get_into``)."""
+def check_out(header: BlockHeader, out: Any, nbytes: int | None = None) -> None:
+    """Refuse an output of another dtype or size than the block (or ``nbytes`` of it: a
+    layer range), so bytes are never reinterpreted as another dtype."""
     info = describe(out)
     if info.kind != KIND_BYTES and info.dtype != header.dtype:
         raise LayoutMismatch(f"output dtype {info.dtype} != stored {header.dtype}")
@@ -71,6 +72,13 @@ def out_landing(header: BlockHeader, out: Any, nbytes: int | None = None) -> Lan
     if info.nbytes != want:
         what = "the layer range has" if nbytes is not None else "block has"
         raise LayoutMismatch(f"output holds {info.nbytes} bytes, {what} {want}")
+
+
+def out_landing(header: BlockHeader, out: Any, nbytes: int | None = None) -> Landing:
+    """Land a block (or ``nbytes`` of it: a layer range) in the caller's preallocated
+    buffer (``get_into``). A CUDA output here (a batch the device paths of
+    kvstore/client/device/ do not take whole) is staged through host memory."""
+    check_out(header, out, nbytes)
     if isinstance(out, np.ndarray):  # first: the common case, and never a tensor
         if not out.flags.writeable:
             raise InvalidValue("output array is read-only")
@@ -81,7 +89,7 @@ def out_landing(header: BlockHeader, out: Any, nbytes: int | None = None) -> Lan
         flat = out.reshape(-1).view(torch.uint8)
         if out.device.type == "cpu":
             return Landing(flat.numpy(), _true)
-        staging = np.empty(info.nbytes, dtype=np.uint8)
+        staging = np.empty(flat.numel(), dtype=np.uint8)
 
         def to_device() -> bool:
             flat.copy_(torch.from_numpy(staging))
@@ -198,16 +206,33 @@ def _true() -> bool:
 
 
 class Outgoing:
-    """A value ready to send: its key, description, flat bytes and xxh3."""
+    """A value ready to send: its key, description, flat bytes and xxh3. A value the
+    transport's device side takes (``on_device``) keeps its tensor in ``device`` and has
+    no host bytes yet: the device path copies it out (kvstore/client/device/writes.py)."""
 
-    __slots__ = ("data", "index", "info", "key", "sum")
+    __slots__ = ("data", "device", "index", "info", "key", "sum")
 
-    def __init__(self, index: int, key: bytes, value: Any, *, hashed: bool = True) -> None:
+    def __init__(
+        self,
+        index: int,
+        key: bytes,
+        value: Any,
+        *,
+        hashed: bool = True,
+        on_device: Callable[[Any], bool] | None = None,
+    ) -> None:
         self.index = index
         self.key = key
         self.info = describe(value)
+        self.device: Any = None
+        self.data: Any = None
+        self.sum = 0
+        if on_device is not None and on_device(value):
+            self.device = value
+            return
         self.data = host_bytes(value)
-        self.sum = checksum(self.data) if hashed else 0
+        if hashed:
+            self.sum = checksum(self.data)
 
 
 def prepare_writes(
@@ -217,14 +242,16 @@ def prepare_writes(
     max_value: int,
     *,
     hashed: bool = True,
+    on_device: Callable[[Any], bool] | None = None,
 ) -> list[Outgoing]:
     """Describe and (with ``hashed``) checksum each value; a value that cannot be stored
     (bad type, over ``max_value`` bytes) gets its error in ``results`` and is left out
-    of the request. Without ``hashed`` the caller hashes as it copies (copy_hashed)."""
+    of the request. Without ``hashed`` the caller hashes as it copies (copy_hashed);
+    values ``on_device`` takes keep their tensor (Outgoing.device), unhashed."""
     out = []
     for i, (k, v) in enumerate(zip(keys, values, strict=True)):
         try:
-            item = Outgoing(i, k, v, hashed=hashed)
+            item = Outgoing(i, k, v, hashed=hashed, on_device=on_device)
             if item.info.nbytes > max_value:
                 raise BlockTooLarge(
                     f"value of {item.info.nbytes} bytes exceeds the server's "

@@ -23,6 +23,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from kvstore._proto import store_pb2 as pb
+from kvstore.client.device.copier import CopyEngine
+from kvstore.client.device.registry import HostRegistry
+from kvstore.client.device.side import DeviceSide
 from kvstore.client.transport.base import Link, Links
 from kvstore.client.transport.conn import DataConn
 from kvstore.client.transport.shm import Segment, ShmTransport
@@ -72,6 +75,8 @@ class ConnPool(Links):
         locate: Callable[[float], pb.InfoResponse],
         tls: ssl.SSLContext | None = None,
         server: pb.InfoResponse | None = None,
+        device: CopyEngine | None = None,
+        registry: HostRegistry | None = None,
     ) -> None:
         self.host = host
         self.config = config
@@ -89,8 +94,12 @@ class ConnPool(Links):
         self._size = config.pool_size
         self._waiters = 0  # callers waiting for a connection slot
         self._server = server  # where the data sockets are (None: ask with locate)
-        self._tcp = TcpTransport(counters)
-        self._ucx = UcxTransport(counters)
+        # the device paths' engine (None: CUDA, on the first CUDA tensor) and registry
+        # (None: the process's); each transport has its own side (and registration)
+        self._device = device
+        self._registry = registry
+        self._tcp = TcpTransport(counters, DeviceSide(device, registry))
+        self._ucx = UcxTransport(counters, DeviceSide(device, registry))
         self._reply_slot = threading.Lock()  # one thread of this pool polls for a reply
         self._closed = False
         self.last_transport = ""
@@ -305,6 +314,7 @@ class ConnPool(Links):
             verify=self.config.verify_shm,
             direct=self._direct(info, seg),
             credits=self.config.shm_write_credits,
+            device=DeviceSide(self._device, self._registry),
         )
         with self._lock:
             kept = self._shm_of.setdefault(key, shm)

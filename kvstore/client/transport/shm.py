@@ -54,6 +54,7 @@ import numpy as np
 
 from kvstore._proto import store_pb2 as pb
 from kvstore.blocks import HEADER_SIZE, BlockHeader, ValueInfo, checksum, layer_span
+from kvstore.client.device.side import DeviceSide
 from kvstore.client.transport.base import LayerSink
 from kvstore.client.transport.buffers import (
     Outgoing,
@@ -63,6 +64,11 @@ from kvstore.client.transport.buffers import (
     prepare_writes,
 )
 from kvstore.client.transport.conn import DataConn
+from kvstore.client.transport.device_paths import (
+    copy_in_device,
+    direct_into_device,
+    leased_into_device,
+)
 from kvstore.client.transport.shm_direct import FALLBACK, DirectReader
 from kvstore.client.transport.tcp import SocketTransport, miss, put_results, ranged, receive_inline
 from kvstore.errors import (
@@ -158,8 +164,11 @@ class ShmTransport(SocketTransport):
         verify: bool = False,
         direct: DirectReader | None = None,
         credits: bool = True,
+        device: DeviceSide | None = None,
     ) -> None:
-        super().__init__(counters)
+        super().__init__(counters, device if device is not None else DeviceSide())
+        # registered with CUDA on the first device call (a stand-in without a mapping: none)
+        self.device.segment = getattr(segment, "view", None)
         self.segment = segment
         self.verify = verify
         self.direct = direct
@@ -169,6 +178,7 @@ class ShmTransport(SocketTransport):
         """Drop the index and segment mappings (they linger while views are alive)."""
         if self.direct is not None:
             self.direct.close()
+        self.device.close()  # unregistered before the mapping goes
         self.segment.close()
 
     def read(
@@ -180,6 +190,20 @@ class ShmTransport(SocketTransport):
         deadline: float,
         layers: tuple[int, int] | None = None,
     ) -> list[Any]:
+        if outs is not None and self.device.takes(outs):
+            return direct_into_device(
+                conn,
+                keys,
+                outs,
+                scope,
+                deadline,
+                layers,
+                self.direct,
+                self.device,
+                verify=self.verify,
+                counters=self.counters,
+                leased=self._leased,
+            )
         d = self.direct
         nsfp = d.namespace(scope.model, scope.layout) if d is not None else None
         if d is None or nsfp is None or not d.alive():
@@ -244,6 +268,10 @@ class ShmTransport(SocketTransport):
         leases = [ref.lease_id for ref in resp.blocks if ref.lease_id]
         results = []
         try:
+            if outs is not None and self.device.takes(outs):  # pinned until the event
+                return leased_into_device(
+                    conn, resp, outs, self.device, self.counters, verify, layers
+                )
             for i, ref in enumerate(resp.blocks):
                 out = outs[i] if outs is not None else None
                 if ref.lease_id:
@@ -303,7 +331,8 @@ class ShmTransport(SocketTransport):
     ) -> list[Any]:
         results: list[Any] = [None] * len(keys)
         limit = conn.info.limits.max_value_bytes
-        pending = prepare_writes(keys, values, results, limit, hashed=False)
+        dev = self.device.engine.claims if self.device.takes(values) else None
+        pending = prepare_writes(keys, values, results, limit, hashed=False, on_device=dev)
         budget = max(self.segment.size // 2, 1)
         while pending:
             batch, pending = _take_round(pending, budget)
@@ -366,13 +395,26 @@ class ShmTransport(SocketTransport):
         if not work:
             return RoundOutcome(0, plan.refused)
         sent = 0
+        # device values: D2H into the extents, item j hashed while j + 1 copies
+        sums = (
+            copy_in_device(self.device, [(p.item, p.offset) for p in work])
+            if work[0].item.device is not None
+            else None
+        )
         try:
             for j, placed in enumerate(work):
                 last = j == len(work) - 1
-                commit = self._copy_in(placed, scope, want if last else [])
+                if sums is not None:
+                    placed.item.sum = next(sums)[1]
+                else:
+                    dst = self.segment.extent(placed.offset, placed.item.info.nbytes)
+                    placed.item.sum = copy_hashed(dst, placed.item.data)
+                commit = self._commit_for(placed, scope, want if last else [])
                 conn.send_only(Op.COMMIT, commit, deadline)
                 sent += 1
         finally:
+            if sums is not None:
+                sums.close()  # waits for copies still queued
             self._commit_replies(conn, work, sent, deadline, results, skey, want)
         lapsed = [
             p.item
@@ -420,13 +462,11 @@ class ShmTransport(SocketTransport):
         refused = [it for it in rest if isinstance(results[it.index], CapacityError)]
         return WritePlan(placed, refused, [])
 
-    def _copy_in(self, placed: Placed, scope: pb.Scope, want: list[int]) -> pb.CommitRequest:
-        """Copy an item into its extent, hashing its source, and the COMMIT that seals
-        it: one naming the block when the extent is a credit, and asking for ``want``
-        credits (the round's last COMMIT, when the RESERVE did not ask)."""
+    def _commit_for(self, placed: Placed, scope: pb.Scope, want: list[int]) -> pb.CommitRequest:
+        """The COMMIT that seals an item copied into its extent (``it.sum`` the xxh3 of
+        its bytes): one naming the block when the extent is a credit, and asking for
+        ``want`` credits (the round's last COMMIT, when the RESERVE did not ask)."""
         it = placed.item
-        dst = self.segment.extent(placed.offset, it.info.nbytes)
-        it.sum = copy_hashed(dst, it.data)
         commit = pb.CommitRequest()
         item = commit.items.add(lease_id=placed.lease_id, checksum=it.sum)
         if placed.credited:

@@ -19,12 +19,14 @@ eviction order include them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from kvstore.blocks import HEADER_SIZE, BlockHeader, checksum, layer_span
-from kvstore.client.transport.buffers import fresh_landing, out_landing
+from kvstore.client.device.reads import DeviceRead
+from kvstore.client.transport.buffers import check_out, fresh_landing, out_landing
 from kvstore.errors import CorruptBlock, KVStoreError
 from kvstore.observe.counters import NodeCounters
 from kvstore.shm.index import IndexReader
@@ -78,6 +80,28 @@ class DirectReader:
         """The node-side keys of this tenant's keys."""
         return self._scope(keys)
 
+    def locate(self, skey: bytes, nsfp: bytes) -> tuple[int, int, BlockHeader, int] | None:
+        """``(slot, seq, header, payload start)`` of a published block whose header names
+        ``skey`` and the namespace, or None (a fallback): still to be confirmed by
+        :meth:`IndexReader.unchanged` after its bytes are copied."""
+        idx = self.index
+        found = idx.find(skey)
+        if found is None:
+            return None
+        slot, seq = found
+        off = idx.offset(slot)
+        start = off + HEADER_SIZE
+        if off < 0 or start > self.size:
+            return None
+        try:
+            header = BlockHeader.unpack(self.view[off:start])
+        except CorruptBlock:
+            return None  # being rewritten under us: the slot check would fail too
+        n = header.payload_len
+        if header.key != skey or (nsfp and header.namespace_fp != nsfp) or start + n > self.size:
+            return None
+        return slot, seq, header, start
+
     def read(
         self,
         skey: bytes,
@@ -91,21 +115,11 @@ class DirectReader:
         """One block (or layers [a, b) of it) by its scoped key: (the per-key result,
         payload bytes copied), or (FALLBACK, 0)."""
         idx = self.index
-        found = idx.find(skey)
-        if found is None:
+        loc = self.locate(skey, nsfp)
+        if loc is None:
             return FALLBACK, 0
-        slot, seq = found
-        off = idx.offset(slot)
-        start = off + HEADER_SIZE
-        if off < 0 or start > self.size:
-            return FALLBACK, 0
-        try:
-            header = BlockHeader.unpack(self.view[off:start])
-        except CorruptBlock:
-            return FALLBACK, 0  # being rewritten under us: the slot check would fail too
+        slot, seq, header, start = loc
         n = header.payload_len
-        if header.key != skey or (nsfp and header.namespace_fp != nsfp) or start + n > self.size:
-            return FALLBACK, 0
         lo, hi = 0, n
         try:
             if layers is not None:
@@ -127,6 +141,50 @@ class DirectReader:
             counters.inc("corrupt_transfers")
             return FALLBACK, 0
         return landing.finish(), hi - lo
+
+    def read_device(
+        self,
+        skeys: Sequence[bytes],
+        outs: Sequence[Any],
+        nsfp: bytes,
+        verify: bool,
+        counters: NodeCounters,
+        landing: DeviceRead,
+        layers: tuple[int, int] | None = None,
+    ) -> list[tuple[Any, int]]:
+        """Blocks into device tensors: every published block's copy is queued into one
+        submission, the batch is waited for once, and only then is each slot checked
+        (an async copy is over only at its event); a slot that changed meanwhile is a
+        fallback, never wrong bytes. No host copy and no host hash (unless ``verify``:
+        then the block's bytes in the segment, before the slot check)."""
+        idx = self.index
+        flat = landing.engine.flat
+        out: list[tuple[Any, int]] = [(FALLBACK, 0)] * len(skeys)
+        queued = []
+        for i, skey in enumerate(skeys):
+            loc = self.locate(skey, nsfp)
+            if loc is None:
+                continue
+            slot, seq, header, start = loc
+            try:
+                lo, hi = (0, header.payload_len) if layers is None else layer_span(header, layers)
+                check_out(header, outs[i], hi - lo)
+            except KVStoreError as exc:
+                out[i] = (exc, 0) if idx.unchanged(slot, seq) else (FALLBACK, 0)
+                continue
+            landing.from_segment(flat(outs[i]), start + lo, hi - lo)
+            queued.append((i, slot, seq, header, start, hi - lo))
+        landing.finish()  # the copies are over: now the slots say whether they hold
+        for i, slot, seq, header, start, n in queued:
+            whole = self.view[start : start + header.payload_len]
+            bad = verify and checksum(whole) != header.checksum
+            if not idx.unchanged(slot, seq):
+                counters.inc("shm_direct_raced")
+            elif bad:
+                counters.inc("corrupt_transfers")
+            else:
+                out[i] = (True, n)
+        return out
 
     def close(self) -> None:
         """Drop the index mapping (the segment belongs to its Segment)."""

@@ -17,17 +17,21 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstore._proto import store_pb2 as pb
-from kvstore.blocks import BlockHeader, ValueInfo, checksum, checksum_stream, layer_span
+from kvstore.blocks import ValueInfo, checksum, checksum_stream
+from kvstore.client.device.reads import DeviceRead
+from kvstore.client.device.side import DeviceSide
 from kvstore.client.transport.base import LayerSink, Transport
-from kvstore.client.transport.buffers import (
-    Landing,
-    Outgoing,
-    fresh_landing,
-    out_landing,
-    prepare_writes,
-)
+from kvstore.client.transport.buffers import Outgoing, prepare_writes
 from kvstore.client.transport.conn import DataConn
-from kvstore.errors import CorruptBlock, KVStoreError, TransportError, Unavailable
+from kvstore.client.transport.device_paths import lander, receive_device, stage_values
+from kvstore.client.transport.inbound import (
+    Inbound,
+    miss,
+    plan_inline,
+    receive_inline,
+    receive_planned,
+)
+from kvstore.errors import TransportError, Unavailable
 from kvstore.observe.counters import NodeCounters
 from kvstore.wire.codec import error_of, meta_of
 from kvstore.wire.frames import Op
@@ -50,99 +54,6 @@ log = logging.getLogger(__name__)
 _PIECE = 512 << 10  # a put's payload is sent and hashed in pieces this large
 
 
-def miss(get_into: bool) -> Any:
-    """The per-key result of a miss."""
-    return False if get_into else None
-
-
-class Inbound:
-    """Where one block of a GET reply lands and what its bytes must hash to, with
-    ``result`` the miss it becomes if they do not; or, when it has no bytes to receive
-    (a miss, an error) or cannot land (a layout mismatch: its bytes are received into
-    scratch and dropped), its per-key result."""
-
-    __slots__ = ("digest", "expect", "key", "landing", "result", "view")
-
-    def __init__(self, result: Any, view: Any = None, landing: Landing | None = None) -> None:
-        self.result = result
-        self.view = view
-        self.landing = landing
-        self.digest: Any = None
-        self.expect = 0
-        self.key = b""
-
-
-def plan_inline(
-    conn: DataConn,
-    ref: pb.BlockRef,
-    out: Any,
-    get_into: bool,
-    layers: tuple[int, int] | None = None,
-) -> Inbound:
-    """Where one block's payload (or the layer range asked for) lands, before any of
-    the reply's payload bytes are read."""
-    if not ref.found:
-        return Inbound(error_of(ref.error) or miss(get_into))
-    try:
-        header = BlockHeader.unpack(ref.header)
-        lo, hi = (0, header.payload_len) if layers is None else layer_span(header, layers)
-    except CorruptBlock as exc:  # its length is unknown: the stream cannot be resynced
-        conn.fs.broken = True
-        raise TransportError(f"data socket: corrupt block header in reply: {exc}") from exc
-    except KVStoreError as exc:  # the server sent it, so it found the range good
-        conn.fs.broken = True
-        raise TransportError(f"data socket: a range the server sent is not one: {exc}") from exc
-    try:
-        if layers is not None:
-            landing = out_landing(header, out, hi - lo)
-        else:
-            landing = out_landing(header, out) if get_into else fresh_landing(header)
-    except KVStoreError as exc:
-        return Inbound(exc, memoryview(bytearray(hi - lo)))
-    plan = Inbound(miss(get_into), landing.view, landing)
-    plan.digest = checksum_stream()  # hashed while the rest arrives
-    plan.expect = header.checksum if layers is None else ref.range_checksum
-    plan.key = header.key
-    return plan
-
-
-def receive_planned(conn: DataConn, plans: Sequence[Inbound], counters: NodeCounters) -> list[Any]:
-    """Receive the planned payloads, all at once (DataConn.recv_many), and return the
-    per-key results: a payload that fails its checksum is a miss."""
-    views = [memoryview(p.view) for p in plans if p.view is not None]
-    digests = [p.digest for p in plans if p.view is not None]
-    if len(views) == 1:  # the server is sending them now
-        conn.recv_into(views[0], spin=True, digest=digests[0])
-    elif views:
-        conn.recv_many(views, digests)
-    results = []
-    for p in plans:
-        if p.landing is None:
-            results.append(p.result)
-        elif p.digest.intdigest() != p.expect:
-            counters.inc("corrupt_transfers")
-            log.warning(
-                "block %s failed its checksum after transfer; served as a miss", p.key.hex()
-            )
-            results.append(p.result)
-        else:
-            results.append(p.landing.finish())
-    return results
-
-
-def receive_inline(
-    conn: DataConn,
-    ref: pb.BlockRef,
-    out: Any,
-    get_into: bool,
-    counters: NodeCounters,
-    layers: tuple[int, int] | None = None,
-) -> Any:
-    """Receive one block's payload (or the layer range asked for) from the socket;
-    returns its per-key result."""
-    return receive_planned(conn, [plan_inline(conn, ref, out, get_into, layers)], counters)[0]
-
-
 def ranged(req: pb.GetRequest, layers: tuple[int, int] | None) -> pb.GetRequest:
     """``req`` asking for layers [a, b) of each block (whole blocks for None)."""
     if layers is not None:
@@ -160,7 +71,12 @@ def put_results(resp: pb.PutResponse, sent: Sequence[Any], results: list[Any]) -
 
 
 class SocketTransport(Transport[DataConn]):
-    """What both socket transports share: the metadata questions, one frame each."""
+    """What both socket transports share: the metadata questions, one frame each, and
+    the device side that moves a call's device tensors (device_paths.py)."""
+
+    def __init__(self, counters: NodeCounters, device: DeviceSide | None = None) -> None:
+        super().__init__(counters)
+        self.device = device if device is not None else DeviceSide()
 
     def exists(self, conn: DataConn, keys: Sequence[bytes], deadline: float) -> list[bool]:
         req = pb.KeysRequest(keys=keys)
@@ -191,6 +107,14 @@ class TcpTransport(SocketTransport):
             conn.fs.broken = True
             raise TransportError(f"{len(resp.blocks)} blocks for {len(keys)} keys")
         get_into = outs is not None
+        if outs is not None and self.device.takes(outs):  # pinned staging, then H2D
+            land = lander(self.device)
+            plans = [
+                plan_inline(conn, ref, outs[i], True, layers, land)
+                for i, ref in enumerate(resp.blocks)
+            ]
+            with DeviceRead(self.device.engine) as landing:
+                return receive_device(conn, plans, self.counters, landing)
         plans = [
             plan_inline(conn, ref, outs[i] if outs is not None else None, get_into, layers)
             for i, ref in enumerate(resp.blocks)
@@ -207,17 +131,20 @@ class TcpTransport(SocketTransport):
     ) -> list[Any]:
         results: list[Any] = [None] * len(keys)
         limit = conn.info.limits.max_value_bytes
+        dev = self.device.engine.claims if self.device.takes(values) else None
         # each checksum follows its payload, hashed while the payload travels; over UCX
         # a single item gains nothing from it (its blocking-mode worker does not move
         # the payload while this thread hashes), so it is hashed first there
         if conn.info.put_sums_follow and (len(keys) > 1 or not conn.on_ucx):
-            items = prepare_writes(keys, values, results, limit, hashed=False)
+            items = prepare_writes(keys, values, results, limit, hashed=False, on_device=dev)
+            stage_values(self.device, items, hashed=False)
             if items:
                 self._send_hashing(conn, items, scope, deadline)
                 resp = conn.read_reply(Op.PUT, pb.PutResponse, deadline)
                 put_results(resp, items, results)
             return results
-        items = prepare_writes(keys, values, results, limit)
+        items = prepare_writes(keys, values, results, limit, on_device=dev)
+        stage_values(self.device, items, hashed=True)
         if not items:
             return results
         req = pb.PutRequest(scope=scope)

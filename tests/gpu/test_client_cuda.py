@@ -1,0 +1,72 @@
+"""The client's CUDA paths against a real ``kvstore serve`` on this host (issue 31):
+same-host reads DMA from the registered segment into CUDA tensors (no host hash, no
+staging), TCP reads land through pinned staging, puts copy device-to-host into the
+reserved extents; a block rewritten during a read and a segment the driver refuses to
+register still give exact bytes. Skipped without a CUDA device (tests/conftest.py).
+tests/service/test_device_paths.py runs the same checks on CPU with the host engine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kvstore import StoreClient
+from kvstore.client.device.side import process_engine
+from tests.support import device_checks as checks
+from tests.support.server_process import ServerProcess
+
+pytest_plugins = ["tests.support.server_fixtures"]
+pytestmark = [pytest.mark.cuda, pytest.mark.process]
+
+
+@pytest.fixture(params=["shm", "tcp"])
+def client(request: pytest.FixtureRequest, store_server: ServerProcess) -> Iterator[StoreClient]:
+    with checks.device_client(store_server, request.param) as c:
+        yield c
+
+
+def test_batch_get_into_cuda_tensors_exact_bytes(client: StoreClient) -> None:
+    before = process_engine().stats["batches"]
+    checks.check_batch_get_into(client, "cuda")
+    assert process_engine().stats["batches"] > before  # the CUDA engine moved them
+
+
+def test_puts_from_cuda_tensors_come_back_exact(client: StoreClient) -> None:
+    checks.check_puts_from_device(client, "cuda")
+
+
+def test_same_host_cuda_reads_hash_and_stage_nothing(
+    store_server: ServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with checks.device_client(store_server, "shm") as c:
+        checks.check_no_host_hash_or_copy(c, "cuda", monkeypatch)
+
+
+def test_one_wait_per_same_host_batch(store_server: ServerProcess) -> None:
+    engine = process_engine()
+    with checks.device_client(store_server, "shm") as c:
+        checks.check_batch_get_into(c, "cuda", n=8)  # warm: registration, namespace
+        keys = checks.fresh_keys(32)
+        assert c.batch_put(keys, checks.blocks(32, "cpu", seed=5)) == [True] * 32
+        import torch
+
+        outs = [torch.empty(checks.SHAPE, dtype=torch.bfloat16, device="cuda") for _ in keys]
+        syncs = engine.stats["syncs"]
+        assert c.batch_get_into(keys, outs) == [True] * 32
+        assert engine.stats["syncs"] - syncs == 1
+
+
+def test_rewritten_blocks_never_read_wrong_into_cuda(store_server: ServerProcess) -> None:
+    with (
+        checks.device_client(store_server, "shm") as c,
+        store_server.client(namespace=checks.NS, transport="tcp") as writer,
+    ):
+        checks.check_rewrites_never_give_wrong_bytes(c, writer, "cuda")
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_failed_registration_stages_exact_bytes_cuda(
+    store_server: ServerProcess, transport: str
+) -> None:
+    checks.check_a_failed_registration_stages(store_server, transport, "cuda", None)
