@@ -159,9 +159,7 @@ def test_a_network_read_of_a_pending_block_takes_its_first_checksum(node: StoreN
 
 
 @pytest.mark.parametrize("leave", ["demotion", "read", "get_into_host"])
-def test_a_corrupted_device_byte_is_caught_as_the_block_leaves(
-    node: StoreNode, leave: str
-) -> None:
+def test_a_corrupted_device_byte_is_caught_as_the_block_leaves(node: StoreNode, leave: str) -> None:
     key = b"d" * 16
     node.put(key, _block(4))
     assert node.settle_checksums(5.0)  # its first checksum, from the bytes as put
