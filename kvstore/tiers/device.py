@@ -8,10 +8,13 @@ one piece of code whatever the device:
 - :class:`CudaEngine` runs them on CUDA streams. Two per device: the *tier stream*
   carries every asynchronous copy into or out of an HBM slab (a put's D2D, a get's
   D2D), so a slab extent's reads and writes are ordered by submission, and a place
-  freed after a read was enqueued cannot be rewritten under it; the *side stream*
-  carries the copies the host waits on (D2H departures, H2D arrivals), ordered after
-  the caller's current stream and the tier stream by events, never by a device-wide
-  synchronization.
+  freed after a read was enqueued cannot be rewritten under it. A copy on it waits
+  for the caller's stream first (the producer's work, or the reader's use of its
+  buffer), and the caller's stream then waits for the copy, both by events, so what
+  the caller queues next sees the copy done; the host never waits. The *side stream*
+  carries the copies the host does wait on (D2H departures, H2D arrivals), ordered
+  after the caller's stream (a copy of the caller's tensor) or the tier stream (a
+  copy of slab bytes) by events, never by a device-wide synchronization.
 - :class:`HostEngine` runs the same calls on CPU tensors, synchronously: the HBM
   tier's bookkeeping and the DRAM tier's device paths then run, and are tested, on a
   machine without CUDA (``NodeConfig.hbm_device = "cpu"``).
@@ -97,9 +100,10 @@ class CopyEngine(ABC):
         after the copy, so what it runs next sees the bytes. No host wait."""
 
     @abstractmethod
-    def order(self, *, tier: bool = True) -> None:
-        """Order the side stream after the caller's current stream (and, with
-        ``tier``, after the tier stream): do before a batch of side-stream copies."""
+    def order(self, *, caller: bool = True, tier: bool = False) -> None:
+        """Order the side stream after the caller's current stream (a copy of the
+        caller's tensor) and/or the tier stream (a copy of slab bytes): do once before
+        a batch of side-stream copies."""
 
     @abstractmethod
     def to_host(self, dst: Any, src: Any) -> Fence:
@@ -140,11 +144,17 @@ class CudaEngine(CopyEngine):
 
     def write(self, dst: Any, src: Any, *, host_src: bool = False) -> None:
         torch, tier = self._torch, self._tier
-        tier.wait_stream(self._current(src))
+        producer = self._current(src)
+        tier.wait_stream(producer)
         with torch.cuda.stream(tier):
             dst.copy_(src, non_blocking=not host_src)
-        if not host_src and src.device == self.device:
-            src.record_stream(tier)  # the producer may drop it before the copy ran
+        if host_src:
+            return
+        # What the producer queues next (an in-place update of src, a reuse of its
+        # memory) runs after the copy read it: a wait on the device, not the host.
+        producer.wait_stream(tier)
+        if src.device == self.device:
+            src.record_stream(tier)  # and a free from another stream waits for it too
 
     def read(self, dst: Any, src: Any) -> None:
         torch, tier = self._torch, self._tier
@@ -154,9 +164,10 @@ class CudaEngine(CopyEngine):
             dst.copy_(src, non_blocking=True)
         caller.wait_stream(tier)
 
-    def order(self, *, tier: bool = True) -> None:
+    def order(self, *, caller: bool = True, tier: bool = False) -> None:
         side = self._side
-        side.wait_stream(self._torch.cuda.current_stream(self.device))
+        if caller:
+            side.wait_stream(self._torch.cuda.current_stream(self.device))
         if tier:
             side.wait_stream(self._tier)
 
@@ -208,7 +219,7 @@ class HostEngine(CopyEngine):
     def read(self, dst: Any, src: Any) -> None:
         dst.copy_(src)
 
-    def order(self, *, tier: bool = True) -> None:
+    def order(self, *, caller: bool = True, tier: bool = False) -> None:
         return None
 
     def to_host(self, dst: Any, src: Any) -> Fence:
@@ -278,7 +289,7 @@ def lift(engine: CopyEngine, src: np.ndarray, dst: Any, *, pinned: bool) -> None
     memory first."""
     import torch
 
-    engine.order(tier=False)
+    engine.order(caller=True)
     if pinned:
         host = torch.from_numpy(src)
     else:

@@ -2,8 +2,9 @@
 hashed off the critical path.
 
 A put from a device tensor is one D2D copy on the engine's tier stream, ordered
-after the producer's stream by an event (kvstore/tiers/device.py); the put does not
-wait for it, and commits the block with its checksum *pending*. A get_into a device
+after the producer's stream by an event, the producer's stream then ordered after
+the copy (kvstore/tiers/device.py); the host does not wait for it, and the put
+commits the block with its checksum *pending*. A get_into a device
 tensor is one D2D copy on the same stream, the caller's stream ordered after it: no
 host round trip and no allocation beyond a view. Because every asynchronous copy
 into or out of the slab runs on that one stream, a place released after a read was
@@ -53,6 +54,8 @@ class DeviceSlab:
         self.tensor = self.engine.slab(capacity)
         if warm:
             self.tensor.zero_()
+        if self.on_cuda:  # the zeroing ran on the default stream: done before any copy
+            torch.cuda.synchronize(self.engine.device)
         self.book = HashBook()
         self._hasher = Hasher(self.book, self.digest)
 
@@ -75,7 +78,7 @@ class DeviceSlab:
     ) -> tuple[BlockHeader, np.ndarray]:
         """The departure of the block at ``place`` (see the module docstring)."""
         engine = self.engine
-        engine.order()
+        engine.order(caller=False, tier=True)
         if into is None:
             into, pinned = engine.staging(int(t.numel())).numpy(), True
         landed = land_hashed(engine, t, into, pinned=pinned)
@@ -88,7 +91,7 @@ class DeviceSlab:
 
     def hash_view(self, t: Any) -> int:
         engine = self.engine
-        engine.order()
+        engine.order(caller=False, tier=True)
         return land_hashed(engine, t, engine.staging(int(t.numel())).numpy(), pinned=True)
 
     def wait_hashed(self, timeout: float) -> bool:
@@ -115,7 +118,7 @@ class DevicePayload(Payload):
     def host(self) -> np.ndarray:
         """The raw bytes in host memory, unchecked (departures use :meth:`land`)."""
         engine = self._slab.engine
-        engine.order()
+        engine.order(caller=False, tier=True)
         buf = engine.staging(self.nbytes)
         engine.to_host(buf, self._t).wait()
         return np.asarray(buf.numpy())

@@ -260,7 +260,7 @@ class SlabPayload(HostPayload):
 
         src = value.detach().reshape(-1).view(torch.uint8)
         engine = self._link.engine(src.device)
-        engine.order(tier=False)
+        engine.order(caller=True)
         return land_hashed(engine, src, self._arr, pinned=self._link.registered)
 
     def copy_to(self, header: BlockHeader, out: Any) -> None:
