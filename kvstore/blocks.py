@@ -6,7 +6,10 @@ and shape, the namespace fingerprint, the block key, the payload length, an xxh3
 checksum of the payload and an xxh32 of the header itself. The checksum is computed
 once at put time (from the writer's bytes) and verified on every read from disk and
 after every network transfer; DRAM reads skip it (memory is trusted and the check
-would halve read bandwidth).
+would halve read bandwidth). A block put into HBM from a device tensor is the one
+exception to "at put time": its header carries :data:`PENDING` until the HBM tier takes
+the checksum off the critical path (kvstore/tiers/hashbook.py), and a pending header
+refuses to be packed, so it can never leave the node or reach another tier.
 
 Payloads are never re-encoded: a tensor's bytes are copied as they are, and a reader
 decodes straight into its own preallocated buffer.
@@ -21,7 +24,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from kvstore.errors import CorruptBlock, InvalidValue, LayoutMismatch
+from kvstore.errors import CorruptBlock, InvalidValue, LayoutMismatch, StorageError
 from kvstore.keys import KEY_BYTES
 from kvstore.layout import DTYPE_SIZES, KVLayout
 
@@ -30,6 +33,7 @@ __all__ = [
     "KIND_BYTES",
     "KIND_NUMPY",
     "KIND_TORCH",
+    "PENDING",
     "BlockHeader",
     "ValueInfo",
     "checksum",
@@ -40,6 +44,7 @@ __all__ = [
     "layer_range",
     "layer_span",
     "materialize",
+    "out_view",
     "verify_payload",
 ]
 
@@ -51,6 +56,10 @@ MAX_DIMS = 6
 KIND_BYTES = 0  # raw bytes in, bytes out
 KIND_NUMPY = 1  # numpy array in, numpy array out
 KIND_TORCH = 2  # torch tensor in, torch tensor out
+
+# The checksum of a block whose bytes are on a device and not hashed yet (an HBM put):
+# never a real xxh3-64 (those are 0 .. 2**64 - 1), and never packed.
+PENDING = -1
 
 _DTYPE_CODES: dict[str, int] = {name: i + 1 for i, name in enumerate(DTYPE_SIZES)}
 _CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
@@ -232,6 +241,11 @@ class BlockHeader:
         """Serialize to exactly HEADER_SIZE bytes (computed once per header)."""
         if self._packed is not None:
             return self._packed
+        if self.checksum == PENDING:
+            raise StorageError(
+                f"block {self.key.hex()}: its checksum is still pending on the device; "
+                "it leaves the tier only through Payload.land"
+            )
         shape = list(self.shape) + [0] * (MAX_DIMS - len(self.shape))
         body = _BODY.pack(
             MAGIC,
@@ -279,6 +293,17 @@ class BlockHeader:
     def info(self) -> ValueInfo:
         """The value description this header stores."""
         return ValueInfo(self.dtype, self.shape, self.kind, self.payload_len)
+
+    @property
+    def pending(self) -> bool:
+        """Whether the checksum is not known yet (a device block: see PENDING)."""
+        return self.checksum == PENDING
+
+    def with_checksum(self, csum: int) -> BlockHeader:
+        """The same header carrying ``csum`` (a pending one resolved)."""
+        return BlockHeader(
+            self.dtype, self.shape, self.kind, self.key, self.namespace_fp, self.payload_len, csum
+        )
 
 
 def layer_range(layers: Any) -> tuple[int, int] | None:
@@ -337,23 +362,31 @@ def _out_bytes(out: Any) -> tuple[Any, ValueInfo]:
     return np.frombuffer(mv.cast("B"), dtype=np.uint8), info
 
 
-def copy_payload(header: BlockHeader, payload: Any, out: Any) -> None:
-    """Copy a stored payload into the caller's preallocated buffer: one copy, no decode.
-
-    The output must have the stored dtype and byte size; its shape may differ only
-    when the element counts agree (a flat buffer is fine), so a caller can never
-    receive bytes reinterpreted as another dtype.
-    """
+def out_view(header: BlockHeader, out: Any) -> Any:
+    """The caller's preallocated buffer as a flat uint8 view: a numpy array over host
+    memory, or a uint8 view of a device tensor. LayoutMismatch unless it holds exactly
+    the stored dtype and byte size (its shape may differ when the element counts
+    agree, so a caller never receives bytes reinterpreted as another dtype)."""
     dst, info = _out_bytes(out)
     if info.kind != KIND_BYTES and info.dtype != header.dtype:
         raise LayoutMismatch(f"output dtype {info.dtype} != stored {header.dtype}")
     if info.nbytes != header.payload_len:
         raise LayoutMismatch(f"output holds {info.nbytes} bytes, block has {header.payload_len}")
-    if _is_torch(dst):  # a CUDA output tensor
+    if _is_torch(dst):  # a device tensor
         import torch
 
-        src = torch.frombuffer(payload, dtype=torch.uint8)
-        dst.reshape(-1).view(torch.uint8).copy_(src, non_blocking=False)
+        return dst.reshape(-1).view(torch.uint8)
+    return dst
+
+
+def copy_payload(header: BlockHeader, payload: Any, out: Any) -> None:
+    """Copy a stored payload into the caller's preallocated buffer: one copy, no decode
+    (the buffer is checked by :func:`out_view`)."""
+    dst = out_view(header, out)
+    if _is_torch(dst):  # a device output tensor
+        import torch
+
+        dst.copy_(torch.frombuffer(payload, dtype=torch.uint8), non_blocking=False)
         return
     np.copyto(dst, np.frombuffer(payload, dtype=np.uint8), casting="no")
 

@@ -90,6 +90,10 @@ class NodeConfig:
         node_id: unique within a cluster; names the node in the directory.
         dram_bytes: size of the DRAM slab (shared memory), allocated and warmed at start.
         hbm_bytes: size of the HBM slab; 0 disables it (and it needs CUDA).
+        hbm_device: the device holding the HBM slab: ``cuda`` (the current one) or
+            ``cuda:<n>``; ``cpu`` runs the HBM tier's code (deferred checksums, the
+            copy engine's ordering, same-host writes landing in DRAM) on host memory,
+            for machines without CUDA such as CI; it is never faster than DRAM.
         ssd_path: directory of the SSD tier; empty disables it.
         ssd_bytes: capacity of the SSD tier.
         policy: eviction policy name for every tier (see kvstore.tiers.policy).
@@ -106,6 +110,7 @@ class NodeConfig:
     node_id: str = "node-0"
     dram_bytes: int = 256 * 1024**2
     hbm_bytes: int = 0
+    hbm_device: str = "cuda"
     ssd_path: str = ""
     ssd_bytes: int = 0
     policy: str = "lru"
@@ -120,6 +125,8 @@ class NodeConfig:
             raise ConfigError(f"node_id {self.node_id!r}: use 1-64 of [A-Za-z0-9._-]")
         if self.dram_bytes <= 0 and self.hbm_bytes <= 0:
             raise ConfigError("dram_bytes: a node needs a DRAM (or HBM) tier of > 0 bytes")
+        if not re.fullmatch(r"cuda(:[0-9]{1,3})?|cpu", self.hbm_device):
+            raise ConfigError(f"hbm_device {self.hbm_device!r}: use cuda, cuda:<n> or cpu")
         if self.policy.lower() not in POLICY_NAMES:
             raise ConfigError(f"policy {self.policy!r}: choose one of {', '.join(POLICY_NAMES)}")
         if self.ssd_path and self.ssd_bytes <= 0:

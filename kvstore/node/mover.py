@@ -4,7 +4,11 @@ A full tier makes room by demoting its policy's victim one tier down (HBM -> DRA
 SSD); the last tier drops it. An SSD hit is promoted back to the top tier, and its SSD
 record stays as a kept copy (so a restart still has it, and demoting it again writes
 nothing) until the SSD needs the room (kvstore/node/state.py). Admin evictions demote
-or drop what a filter selects. A block is read from exactly one tier. The mover asks
+or drop what a filter selects. A block is read from exactly one tier. A block leaving
+a device tier (HBM) is hashed as it lands below and checked (kvstore/tiers/hbm.py):
+the header stored below carries that checksum, and the index takes it with the move;
+bytes that fail it are not stored, the block is dropped and counted
+(``corrupt_blocks_<tier>``). The mover asks
 the index for every decision (claims.py for room, moves.py for each step of a move)
 and copies bytes only between its calls, never under the index's lock: see the
 contract in state.py.
@@ -17,6 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvstore.blocks import BlockHeader
 from kvstore.errors import (
     BlockTooLarge,
     CapacityError,
@@ -79,16 +84,20 @@ class TierMover:
     def _demote(self, e: Entry, level: int) -> None:
         """Copy a victim (MOVING, pinned for us) from ``level`` one tier down, or drop it."""
         place: int | None = None
+        header = None
         try:
-            place = self._copy_down(e, level)
+            place, header = self._copy_down(e, level)
         except QuotaExceeded:  # its namespace has no room below: it leaves the node
             self._counters.inc("quota_drops")
+        except CorruptBlock as exc:
+            self._counters.inc(f"corrupt_blocks_{self._tiers[level].kind.value}")
+            log.warning("demotion of %s found it corrupt, dropping it: %s", e.key.hex(), exc)
         except KVStoreError as exc:
             log.warning("demotion of %s failed, dropping it: %s", e.key.hex(), exc)
         finally:  # whatever happened, the victim stops MOVING and waiters are woken
-            self._moves.end_demotion(e, level + 1, place)
+            self._moves.end_demotion(e, level + 1, place, header)
 
-    def _copy_down(self, e: Entry, level: int) -> int:
+    def _copy_down(self, e: Entry, level: int) -> tuple[int, BlockHeader]:
         src = self._tiers[level].payload(e.place, e.header.payload_len)
         if src is None:
             raise CapacityError(f"the {self._tiers[level].kind.value} tier cannot demote")
@@ -99,10 +108,12 @@ class TierMover:
             place = self.make_room(dst_level, e.size, fp=fp)
             assert place is not None
             try:
-                dst.store(e.key, place, e.header, src)
-                return place
+                return place, dst.store(e.key, place, e.header, src)
             except CapacityError:
                 continue  # another writer took the room between check and write
+            except CorruptBlock:  # nothing was stored: the room goes back
+                self._index.discard(e.key, dst_level, place)
+                raise
         raise CapacityError(f"no room in the {dst.kind.value} tier after 3 tries")
 
     def read_through(self, e: Entry, level: int) -> tuple[Payload, int] | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+from kvstore.blocks import BlockHeader
 from kvstore.node.eviction import BlockFilter, EvictResult
 from kvstore.node.state import Entry, EntryState, IndexState
 from kvstore.tiers.base import NO_PLACE
@@ -23,8 +24,11 @@ class MoveSteps:
     def __init__(self, state: IndexState) -> None:
         self._s = state
 
-    def end_demotion(self, e: Entry, dst_level: int, place: int | None) -> None:
-        """A victim's copy one tier down is done (``place``) or failed (None: dropped)."""
+    def end_demotion(
+        self, e: Entry, dst_level: int, place: int | None, header: BlockHeader | None = None
+    ) -> None:
+        """A victim's copy one tier down is done (``place``, stored with ``header``: its
+        checksum settled when it left a device) or failed (None: dropped)."""
         s = self._s
         src = s.tiers[e.level]
         with s.lock:
@@ -42,7 +46,7 @@ class MoveSteps:
                 elif place is not None:
                     s.discard_locked(e.key, dst_level, place)
                 return
-            s.move_locked(e, dst_level, place)
+            s.move_locked(e, dst_level, place, header=header)
             s.counters.inc(f"demotions_{src.kind.value}")
             s.counters.inc(f"bytes_demoted_{src.kind.value}", e.size)
             if e.pins == 0:

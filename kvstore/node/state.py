@@ -54,8 +54,12 @@ class EntryState(IntEnum):
 @dataclass(slots=True, eq=False)
 class Entry:
     """One stored block. Its fields belong to the index's lock: outside the index only
-    ``key``, ``size`` and ``header`` (which never change) may be read, and ``place`` by
-    the mover while the entry is MOVING for it (nothing else moves it then)."""
+    ``key``, ``size`` and ``header`` may be read, and ``place`` by the mover while the
+    entry is MOVING for it (nothing else moves it then). ``key`` and ``size`` never
+    change; ``header`` changes at most once, under the lock, when a block put into a
+    device tier with its checksum pending is demoted and the header stored below
+    carries the checksum it left with (an attribute read sees the old or the new
+    one, each whole)."""
 
     key: bytes
     level: int  # index into the node's tiers, fastest first
@@ -144,9 +148,18 @@ class IndexState:
             level, place = e.stale.pop()
             self.discard_locked(e.key, level, place)
 
-    def move_locked(self, e: Entry, level: int, place: int, *, keep: bool = False) -> None:
+    def move_locked(
+        self,
+        e: Entry,
+        level: int,
+        place: int,
+        *,
+        keep: bool = False,
+        header: BlockHeader | None = None,
+    ) -> None:
         """Point ``e`` at ``place`` in tier ``level``; the old place is released (at the
-        last unpin), or with ``keep`` (a key-addressed tier: SSD) stays as its copy."""
+        last unpin), or with ``keep`` (a key-addressed tier: SSD) stays as its copy.
+        ``header``: the one the block was stored with there (its checksum settled)."""
         src = self.tiers[e.level]  # its policy let go of it already
         self.unpublish_locked(e)
         fp = e.header.namespace_fp
@@ -158,6 +171,8 @@ class IndexState:
         else:
             e.stale.append((e.level, e.place))
         e.level, e.place = level, place
+        if header is not None:
+            e.header = header
         self.publish_locked(e)
         self.policies[level].insert(e.key, e.size)
         self.events.put(BlockMoved(e.key, src.kind, self.tiers[level].kind))

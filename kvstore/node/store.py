@@ -16,14 +16,15 @@ and an over-budget namespace makes room from its own blocks only.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import logging
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.blocks import BlockHeader, ValueInfo, describe, materialize
 from kvstore.config import NodeConfig
-from kvstore.errors import ClosedError, KVStoreError
+from kvstore.errors import ClosedError, CorruptBlock, KVStoreError
 from kvstore.events import BlockEvent, EventQueue
 from kvstore.keys import BlockKey, Namespace, as_key
 from kvstore.node.budgets import Budget, Usage
@@ -43,14 +44,20 @@ from kvstore.tiers.memory import MemoryTier
 # callers (kvstore/server) take it from the node's public module with BlockRead.
 __all__ = ["BlockRead", "Reservation", "StoreNode"]
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(slots=True)
 class BlockRead:
     """A pinned block: header and payload stay valid until it is closed.
 
     :meth:`host` gives the payload's bytes in host memory (a view of them where they
-    lie in host memory, one copy from a device); :meth:`copy_to` copies them into a
-    caller's buffer. ``offset`` is the block's extent in its tier's slab (the payload
+    lie in host memory, one copy from a device, hashed and checked as it lands: then
+    ``header`` carries the checksum they were checked against, which a block put into
+    HBM may learn only here; CorruptBlock when they fail it, and the node drops the
+    block); :meth:`copy_to` copies them into a caller's buffer. Whatever sends a
+    block's bytes off the node takes them from :meth:`host` before it packs
+    ``header``. ``offset`` is the block's extent in its tier's slab (the payload
     starts ``HEADER_SIZE`` bytes later), -1 when the payload is a private buffer (an SSD
     read that could not be promoted); ``shm_offset`` is that extent when a same-host
     client may map it (the tier is the node's shared segment), else -1. ``hit`` is the
@@ -66,15 +73,25 @@ class BlockRead:
     _entry: Entry = field(repr=False)
     _closed: bool = field(default=False, repr=False)
     hit: TierKind | None = None
+    _lost: Callable[[BlockRead], None] | None = field(default=None, repr=False)
+    _landed: Any = field(default=None, repr=False)
 
     def host(self) -> Any:
-        """The payload as a flat uint8 host array (a view where it lies in host memory)."""
-        return self._bytes.host()
+        """The payload as a flat uint8 host array (a view where it lies in host memory),
+        checked as it left a device (CorruptBlock)."""
+        if self._landed is None:
+            try:
+                self.header, self._landed = self._bytes.land(self.header)
+            except CorruptBlock:
+                if self._lost is not None:
+                    self._lost(self)
+                raise
+        return self._landed
 
     @property
     def payload(self) -> Any:
         """Same as :meth:`host`."""
-        return self._bytes.host()
+        return self.host()
 
     def copy_to(self, out: Any) -> None:
         """Copy the payload into ``out`` (stored dtype and byte size, else LayoutMismatch)."""
@@ -100,7 +117,8 @@ class StoreNode:
         self._closed = False
         try:
             if c.hbm_bytes:
-                self._add_tier(MemoryTier(TierKind.HBM, c.hbm_bytes, warm=c.warm))
+                hbm = MemoryTier(TierKind.HBM, c.hbm_bytes, device=c.hbm_device, warm=c.warm)
+                self._add_tier(hbm)
             if c.dram_bytes:
                 dram = MemoryTier(
                     TierKind.DRAM,
@@ -186,9 +204,12 @@ class StoreNode:
         *,
         namespace: Namespace | None = None,
         namespace_fp: bytes | None = None,
+        shared: bool = False,
     ) -> Reservation | None:
         """Phase one of a put: reserve space in the top tier, evicting if needed; None
         when the key is already stored (keys name content: there is nothing to write).
+        ``shared``: in the fastest tier a same-host client can fill itself (the shared
+        DRAM segment, below an HBM top tier), StorageError when the node shares none.
 
         Raises BlockTooLarge if the block can never fit, CapacityError if every
         candidate is pinned. The block stays invisible until :meth:`commit`.
@@ -196,17 +217,20 @@ class StoreNode:
         under the fingerprint it was written with (no layout check: that was done then).
         """
         self._check_open()
-        return self._writes.reserve(key, value_info, namespace, namespace_fp)
+        return self._writes.reserve(key, value_info, namespace, namespace_fp, shared)
 
-    def reserve_credit(self, nbytes: int, *, namespace: Namespace | None = None) -> Reservation:
+    def reserve_credit(
+        self, nbytes: int, *, namespace: Namespace | None = None, shared: bool = False
+    ) -> Reservation:
         """Space in the top tier for a block of ``nbytes`` whose key is not known yet: a
         same-host writer's next put fills it first and names it in the one request
         that commits it (kvstore/server/gateway.py, credits), which saves the put its
         reservation round trip. Counted against the namespace's budget like any
         reservation, but never granted by evicting the namespace's own blocks
-        (QuotaExceeded then); :meth:`bind` gives it its key, :meth:`abort` frees it."""
+        (QuotaExceeded then); :meth:`bind` gives it its key, :meth:`abort` frees it.
+        ``shared`` as for :meth:`reserve`."""
         self._check_open()
-        return self._writes.reserve_credit(nbytes, namespace)
+        return self._writes.reserve_credit(nbytes, namespace, shared)
 
     def bind(
         self,
@@ -241,7 +265,9 @@ class StoreNode:
         socket while the next arrives). Where the fill buffer is the stored bytes
         (``Payload.fills_in_place``: host memory) it stands for a second pass over
         them; the caller vouches that nothing else wrote the reservation meanwhile. A
-        staged payload (a device's) is always hashed after its copy.
+        staged payload (a device's) is always hashed after its copy. A device tensor
+        written whole into HBM commits with its checksum pending, unless
+        ``expected_checksum`` must be verified (kvstore/tiers/hashbook.py, the rule).
         """
         return self._writes.commit(res, expected_checksum, landed_checksum)
 
@@ -256,11 +282,11 @@ class StoreNode:
         if res is None:
             return False
         try:
-            res.write(value)
+            landed = res.write(value)
         except BaseException:
             self._writes.abort(res)
             raise
-        return self._writes.commit(res, None, None)
+        return self._writes.commit(res, None, landed)
 
     def batch_put(
         self, keys: Sequence[bytes], values: Sequence[Any], *, namespace: Namespace | None = None
@@ -298,7 +324,7 @@ class StoreNode:
             if payload is not None:
                 kind = tier.kind
                 shm = -1 if tier.shm_name is None else place
-                return BlockRead(header, payload, kind, place, shm, entry, False, kind)
+                return BlockRead(header, payload, kind, place, shm, entry, False, kind, self._lost)
             read = self._mover.read_through(entry, level)
         except BaseException:
             self._index.unpin(entry)
@@ -310,7 +336,19 @@ class StoreNode:
         top = self._tiers[0]
         kind = top.kind if place >= 0 else tier.kind
         shm = place if place >= 0 and top.shm_name is not None else -1
-        return BlockRead(entry.header, payload, kind, place, shm, entry, hit=tier.kind)
+        hit = tier.kind
+        return BlockRead(entry.header, payload, kind, place, shm, entry, False, hit, self._lost)
+
+    def _lost(self, blk: BlockRead) -> None:
+        """A pinned block's bytes failed their checksum as they left a device: count
+        it, say so, and drop it (a miss from now on; its place goes at the last unpin)."""
+        self.counters.inc(f"corrupt_blocks_{blk.tier.value}")
+        log.warning(
+            "%s block %s failed its checksum leaving the device; dropped",
+            blk.tier.value,
+            blk.header.key.hex(),
+        )
+        self._index.remove([blk._entry.key])
 
     def close_read(self, blk: BlockRead) -> None:
         """Unpin a block from :meth:`open_read`; closing twice is harmless."""
@@ -336,7 +374,11 @@ class StoreNode:
         with self.pin(key, namespace=namespace) as blk:
             if blk is None:
                 return False
-            blk._bytes.copy_to(blk.header, out)  # one call less than blk.copy_to
+            try:
+                blk._bytes.copy_to(blk.header, out)  # one call less than blk.copy_to
+            except CorruptBlock:  # device bytes that failed their checksum leaving
+                self._lost(blk)
+                return False
             self.counters.inc("bytes_out", blk.header.payload_len)
             return True
 
@@ -345,8 +387,12 @@ class StoreNode:
         with self.pin(key, namespace=namespace) as blk:
             if blk is None:
                 return None
+            try:
+                host = blk.host()
+            except CorruptBlock:  # counted and dropped by _lost
+                return None
             self.counters.inc("bytes_out", blk.header.payload_len)
-            return materialize(blk.header, blk.host())
+            return materialize(blk.header, host)
 
     def batch_get_into(
         self, keys: Sequence[bytes], outs: Sequence[Any], *, namespace: Namespace | None = None
@@ -427,6 +473,12 @@ class StoreNode:
 
         What a directory publisher re-lists from after it missed events."""
         return self._index.snapshot()
+
+    def settle_checksums(self, timeout: float = 10.0) -> bool:
+        """Wait until every block committed so far into a device tier has its checksum
+        (the background hasher's, kvstore/tiers/hashbook.py); True when they all do.
+        For tests, benchmarks and operators who want every block verifiable now."""
+        return all(t.wait_hashed(timeout) for t in self._tiers)
 
     def take_events(self, limit: int | None = None) -> list[BlockEvent]:
         """Take pending BlockStored / BlockRemoved / BlockMoved events, oldest first."""

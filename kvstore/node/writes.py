@@ -20,7 +20,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.blocks import HEADER_SIZE, KIND_BYTES, BlockHeader, ValueInfo
+from kvstore.blocks import HEADER_SIZE, KIND_BYTES, PENDING, BlockHeader, ValueInfo
 from kvstore.config import NodeConfig
 from kvstore.errors import (
     BlockTooLarge,
@@ -67,9 +67,11 @@ class Reservation:
         """The host buffer to fill (the stored bytes themselves in host memory)."""
         return self._bytes.fill_buffer()
 
-    def write(self, value: Any) -> None:
-        """Fill the reservation with a whole value (tensor, array, bytes), in one copy."""
-        self._bytes.write(value)
+    def write(self, value: Any) -> int | None:
+        """Fill the reservation with a whole value (tensor, array, bytes), in one copy.
+        Returns the xxh3 of what landed when the copy took it on the way (a device
+        tensor into host memory): the commit's ``landed_checksum``."""
+        return self._bytes.write(value)
 
     @property
     def done(self) -> bool:
@@ -94,8 +96,29 @@ class WritePath:
         self._mover = mover
         self._counters = counters
 
+    def shared_level(self) -> int:
+        """The fastest tier same-host clients may write in place (the shared DRAM
+        segment), or -1 when none is."""
+        for level, tier in enumerate(self._tiers):
+            if tier.shm_name is not None:
+                return level
+        return -1
+
+    def _level(self, shared: bool) -> int:
+        if not shared or self._tiers[0].shm_name is not None:
+            return 0
+        level = self.shared_level()
+        if level < 0:
+            raise StorageError("this node shares no memory: same-host writes use the data socket")
+        return level
+
     def reserve(
-        self, key: bytes, value_info: ValueInfo, namespace: Namespace | None, nsfp: bytes | None
+        self,
+        key: bytes,
+        value_info: ValueInfo,
+        namespace: Namespace | None,
+        nsfp: bytes | None,
+        shared: bool = False,
     ) -> Reservation | None:
         """See StoreNode.reserve."""
         k = as_key(key)
@@ -111,18 +134,21 @@ class WritePath:
             value_info.check_layout(namespace.kv_layout)
             nsfp = namespace.fingerprint()
         size = HEADER_SIZE + value_info.nbytes
-        place = self._mover.make_room(0, size, unless_stored=k, fp=nsfp, reservation=True)
+        level = self._level(shared) if shared else 0
+        place = self._mover.make_room(level, size, unless_stored=k, fp=nsfp, reservation=True)
         if place is None:
             return None
-        top = self._tiers[0]  # written out in both reserves: a helper costs every put a call
+        top = self._tiers[level]  # written out in both reserves: a helper costs every put a call
         fill = top.payload(place, value_info.nbytes)
         if fill is None:
-            self._index.discard(k, 0, place, reserved=(nsfp, size))
+            self._index.discard(k, level, place, reserved=(nsfp, size))
             raise StorageError(f"the {top.kind.value} tier cannot take reservations")
         shm_offset = place if top.shm_name is not None else -1
-        return Reservation(k, value_info, nsfp, 0, place, size, shm_offset, fill)
+        return Reservation(k, value_info, nsfp, level, place, size, shm_offset, fill)
 
-    def reserve_credit(self, nbytes: int, namespace: Namespace | None) -> Reservation:
+    def reserve_credit(
+        self, nbytes: int, namespace: Namespace | None, shared: bool = False
+    ) -> Reservation:
         """See StoreNode.reserve_credit."""
         if nbytes > self._config.max_value_bytes:
             raise BlockTooLarge(
@@ -130,16 +156,17 @@ class WritePath:
             )
         nsfp = _ZERO_NS if namespace is None else namespace.fingerprint()
         size = HEADER_SIZE + nbytes
-        place = self._mover.make_room(0, size, fp=nsfp, reservation=True, spare_own=True)
+        level = self._level(shared) if shared else 0
+        place = self._mover.make_room(level, size, fp=nsfp, reservation=True, spare_own=True)
         assert place is not None  # only a key already stored gives no place
-        top = self._tiers[0]
+        top = self._tiers[level]
         fill = top.payload(place, nbytes)
         if fill is None:
-            self._index.discard(_NO_KEY, 0, place, reserved=(nsfp, size))
+            self._index.discard(_NO_KEY, level, place, reserved=(nsfp, size))
             raise StorageError(f"the {top.kind.value} tier cannot take reservations")
         shm_offset = place if top.shm_name is not None else -1
         info = ValueInfo("uint8", (nbytes,), KIND_BYTES, nbytes)
-        return Reservation(_NO_KEY, info, nsfp, 0, place, size, shm_offset, fill)
+        return Reservation(_NO_KEY, info, nsfp, level, place, size, shm_offset, fill)
 
     @staticmethod
     def bind(
@@ -169,11 +196,14 @@ class WritePath:
             raise ReservationError("reservation already committed or aborted")
         info = res.info
         try:
-            res._bytes.flush()
-            if landed_checksum is not None and res._bytes.fills_in_place:
+            fill = res._bytes
+            fill.flush()
+            if expected_checksum is None and fill.defers_checksum:
+                csum = PENDING  # the tier takes it off the critical path (hashbook.py)
+            elif landed_checksum is not None and fill.fills_in_place:
                 csum = landed_checksum
             else:
-                csum = res._bytes.checksum()
+                csum = fill.checksum()
             if expected_checksum is not None and csum != expected_checksum:
                 self._counters.inc("corrupt_transfer")
                 raise CorruptBlock("payload checksum mismatch after transfer")

@@ -23,6 +23,7 @@ key                         exported as                                         
 ``bytes_promoted[_<tier>]`` ``kvstore_promoted_bytes_total{tier}``                 node
 ``evictions_<tier>``        ``kvstore_evictions_total{tier}`` (left the node)      node
 ``corrupt_blocks``          ``kvstore_corrupt_blocks_total{source="ssd"}``         node
+``corrupt_blocks_<tier>``   ``kvstore_corrupt_blocks_total{source=<tier>}`` (hbm)  node
 ``corrupt_transfer[s]``     ``kvstore_corrupt_blocks_total{source="transfer"}``    both
 ``namespace_mismatch``      ``kvstore_namespace_mismatches_total``                 node
 ``lost_blocks``             ``kvstore_lost_blocks_total``                          node
@@ -207,6 +208,7 @@ _RULES: list[tuple[re.Pattern[str], Family, Callable[[re.Match[str]], tuple[str,
     (re.compile(rf"bytes_promoted(?:_({_T}))?"), PROMOTED_BYTES, lambda m: (m[1] or "ssd",)),
     (re.compile(rf"evictions_({_T})"), EVICTIONS, lambda m: (m[1],)),
     (re.compile("corrupt_blocks"), CORRUPT, lambda m: ("ssd",)),
+    (re.compile(rf"corrupt_blocks_({_T})"), CORRUPT, lambda m: (m[1],)),
     (re.compile("corrupt_transfers?"), CORRUPT, lambda m: ("transfer",)),
     (re.compile("namespace_mismatch"), NS_MISMATCH, lambda m: ()),
     (re.compile("lost_blocks"), LOST, lambda m: ()),

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvstore.blocks import ValueInfo
-from kvstore.errors import InvalidValue, KVStoreError, LimitExceeded, Unavailable
+from kvstore.errors import CorruptBlock, InvalidValue, KVStoreError, LimitExceeded, Unavailable
 from kvstore.keys import as_key
 from kvstore.node.eviction import BlockFilter, EvictResult
 from kvstore.server.gateway import Gateway
@@ -146,7 +146,12 @@ class Maintenance:
                 if budget < 0:
                     raise LimitExceeded("exported payloads exceed one message; export fewer keys")
                 tenant, model = self.gw.books.names.get(blk.header.namespace_fp) or ("", "")
-                out.append(ExportedBlock(blk.header.pack(), blk.host().tobytes(), tenant, model))
+                try:  # host() first: device bytes are checked, the header then says so
+                    payload = blk.host().tobytes()
+                except CorruptBlock:  # counted and dropped by the node
+                    out.append(None)
+                    continue
+                out.append(ExportedBlock(blk.header.pack(), payload, tenant, model))
             finally:
                 self.node.close_read(blk)
         self.gw.books.counters.inc("exported_blocks", sum(1 for o in out if o is not None))

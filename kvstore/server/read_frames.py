@@ -13,7 +13,7 @@ import time
 
 from kvstore._proto import store_pb2 as pb
 from kvstore.blocks import checksum, layer_span
-from kvstore.errors import InvalidValue, KVStoreError
+from kvstore.errors import CorruptBlock, InvalidValue, KVStoreError
 from kvstore.node.store import BlockRead
 from kvstore.server.frame_codec import Connection, parse
 from kvstore.server.read_batch import ReadItem
@@ -109,15 +109,20 @@ def _describe(
         return None
     if r is None:
         return None
-    if layers is None:
-        ref.found, ref.header = True, r.header.pack()
-        return memoryview(r.host())
     try:
-        lo, hi = layer_span(r.header, layers)
+        span = None if layers is None else layer_span(r.header, layers)
+        # host() first: bytes leaving a device are checked, and the header then
+        # carries the checksum they were checked against (BlockRead)
+        whole = memoryview(r.host())
+    except CorruptBlock:  # the node counted and dropped it: a miss
+        return None
     except KVStoreError as exc:
         ref.error.CopyFrom(status_of(exc))
         return None
-    part = memoryview(r.host())[lo:hi]
+    if span is None:
+        ref.found, ref.header = True, r.header.pack()
+        return whole
+    part = whole[span[0] : span[1]]
     ref.found, ref.header, ref.range_checksum = True, r.header.pack(), checksum(part)
     return part
 

@@ -291,6 +291,7 @@ _NODE_FLAGS = {
     "node_id": "node id in the cluster",
     "dram_bytes": "DRAM tier size, e.g. 4GiB",
     "hbm_bytes": "HBM tier size (needs CUDA)",
+    "hbm_device": "HBM tier device: cuda, cuda:<n> (or cpu, the tier's code on host memory)",
     "ssd_path": "SSD tier directory",
     "ssd_bytes": "SSD tier size",
     "policy": "eviction policy: lru, fifo, s3fifo",

@@ -5,9 +5,19 @@ Two ways in. RESERVE names the items and gets a write lease on a reservation for
 write credits (``PutRequest.credits``) are reservations granted ahead of any key, for a
 writer's next puts, whose COMMIT then names the block each holds (a :class:`CreditBind`).
 Either way COMMIT verifies and commits, ABORT, expiry or the data connection closing
-releases. How many credits a connection may hold is decided here too: at most
-``_CREDIT_BYTES`` of them live at a time, and at most ``1 / _CREDIT_SHARE`` of the
-DRAM tier.
+releases.
+
+Where they land: in the node's shared DRAM segment, the only memory a same-host client
+can map, also when the node's top tier is HBM. There the block is committed and stays:
+the client's checksum is verified against the host bytes it wrote, and DRAM is where
+the same host's readers copy from without a round trip (an HBM block would go to them
+inline over the socket). So a same-host put to an HBM node succeeds with the client's
+default transport, and nothing the client does changes; only a node that shares no
+memory at all (a private DRAM tier) refuses, and its clients use the data socket
+(they are told at HELLO: no segment).
+
+How many credits a connection may hold is decided here too: at most ``_CREDIT_BYTES``
+of them live at a time, and at most ``1 / _CREDIT_SHARE`` of the DRAM tier.
 """
 
 from __future__ import annotations
@@ -80,12 +90,10 @@ class ShmWrites:
         out: list[Lease | KVStoreError | None] = []
         for it in items:
             try:
-                res = self.writes.reserve(p, it, ns)
-                if res is not None and res.shm_offset < 0:
+                res = self.writes.reserve(p, it, ns, shared=True)
+                if res is not None and res.shm_offset < 0:  # a tier that is not mapped
                     self.node.abort(res)
-                    raise StorageError(
-                        "shared-memory writes need a DRAM top tier; use the data socket"
-                    )
+                    raise StorageError("this node shares no memory; use the data socket")
             except KVStoreError as exc:
                 out.append(books.refused(p, exc))
                 continue
@@ -171,7 +179,7 @@ class ShmWrites:
         for n in sizes:
             try:
                 self.books.check_writer(p, ns)
-                res = self.node.reserve_credit(n, namespace=ns)
+                res = self.node.reserve_credit(n, namespace=ns, shared=True)
             except KVStoreError as exc:
                 self.books.refused(p, exc)
                 break

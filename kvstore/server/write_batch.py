@@ -128,13 +128,16 @@ class Writes:
 
     # -- the steps ---------------------------------------------------------------------
 
-    def reserve(self, p: Principal, it: WriteItem, ns: Namespace | None) -> Reservation | None:
-        """Reserve space for one item (None: stored already), or raise why not."""
+    def reserve(
+        self, p: Principal, it: WriteItem, ns: Namespace | None, *, shared: bool = False
+    ) -> Reservation | None:
+        """Reserve space for one item (None: stored already), or raise why not;
+        ``shared``: in the tier a same-host client fills itself (StoreNode.reserve)."""
         if isinstance(it.info, KVStoreError):
             raise it.info
         self.books.check_writer(p, ns)
         # it checks size, layout and the tenant's quota (kvstore/node/budgets.py)
-        return self.node.reserve(p.scope(it.key), it.info, namespace=ns)
+        return self.node.reserve(p.scope(it.key), it.info, namespace=ns, shared=shared)
 
     def reserve_all(
         self,

@@ -11,6 +11,12 @@ a tier that finds blocks by key (the SSD tier). Bytes leave and enter a tier thr
 (staged and copied to the device when the tier is HBM). Nothing above this package
 needs to know which tier it is talking to, or copy device memory itself.
 
+Bytes *leave* a tier for host memory through :meth:`Payload.land`, which returns
+them with the header that vouches for them: host bytes as they are, device bytes
+copied and hashed on the way, their checksum checked, or taken for the first time
+when the put deferred it (kvstore/tiers/hashbook.py, the rule). Every path that sends
+a block's bytes off the node, or into another tier, takes them from ``land``.
+
 Concurrency: tiers do no locking for the node. Space (``allocate``/``release``) is
 asked for under the node's index lock; bytes move outside it, on a place that a pin
 or a reservation keeps alive (kvstore/node/state.py).
@@ -40,6 +46,10 @@ class Payload(ABC):
     # an xxh3 taken as they were written is the xxh3 of what is stored
     # (StoreNode.commit's ``landed_checksum``).
     fills_in_place = False
+    # Whether the last :meth:`write` left the checksum to the tier, to be taken off
+    # the critical path (a device-to-device put into HBM): the commit then seals the
+    # header with PENDING unless a writer's checksum must be verified now.
+    defers_checksum = False
 
     # -- reading ------------------------------------------------------------------------
 
@@ -51,7 +61,23 @@ class Payload(ABC):
     @abstractmethod
     def copy_to(self, header: BlockHeader, out: Any) -> None:
         """Copy into a caller's tensor, array or buffer of the stored dtype and size
-        (LayoutMismatch otherwise); a device ``out`` from device bytes stays on the device."""
+        (LayoutMismatch otherwise); a device ``out`` from device bytes stays on the
+        device. Device bytes copied into a host ``out`` leave the device: they are
+        checked as :meth:`land` checks them (CorruptBlock)."""
+
+    def land(
+        self, header: BlockHeader, into: np.ndarray | None = None, *, pinned: bool = False
+    ) -> tuple[BlockHeader, np.ndarray]:
+        """The payload's bytes in host memory, as they leave this tier, with the header
+        that vouches for them: copied into ``into`` when given (``pinned``: it is
+        page-locked memory), else where they lie (host bytes) or in a buffer of their
+        own. Host bytes are trusted as memory is; a device payload overrides this to
+        hash the bytes as they land and check or settle the checksum (CorruptBlock)."""
+        src = self.host()
+        if into is None:
+            return header, src
+        np.copyto(into, src, casting="no")
+        return header, into
 
     # -- writing ------------------------------------------------------------------------
 
@@ -61,8 +87,10 @@ class Payload(ABC):
         themselves in host memory, else a staging buffer that :meth:`seal` copies in."""
 
     @abstractmethod
-    def write(self, value: Any) -> None:
-        """Copy a whole value in (tensor, array, bytes, or another tier's Payload)."""
+    def write(self, value: Any) -> int | None:
+        """Copy a whole value in (tensor, array, bytes, or another tier's Payload).
+        Returns the xxh3 of the bytes written when the copy computed it on the way
+        (a device value landing in host memory), else None."""
 
     @abstractmethod
     def flush(self) -> None:
@@ -91,17 +119,18 @@ class HostPayload(Payload):
     def fill_buffer(self) -> np.ndarray:
         return self._arr
 
-    def write(self, value: Any) -> None:
+    def write(self, value: Any) -> int | None:
         if isinstance(value, Payload):
             src: Any = value.host()
         elif getattr(getattr(value, "device", None), "type", "cpu") != "cpu":
             import torch  # a device tensor: one copy, straight into these bytes
 
             torch.from_numpy(self._arr).copy_(value.detach().reshape(-1).view(torch.uint8))
-            return
+            return None
         else:
             src = host_bytes(value)
         np.copyto(self._arr, np.frombuffer(src, dtype=np.uint8), casting="no")
+        return None
 
     def flush(self) -> None:
         return None
@@ -155,15 +184,23 @@ class Tier(ABC):
         """Write the header of a block whose payload was filled in place."""
 
     @abstractmethod
-    def store(self, key: bytes, place: int, header: BlockHeader, src: Payload) -> None:
-        """Store a whole block at an allocated ``place``, its bytes copied from ``src``
-        (another tier's payload: a demotion). CapacityError when a key-addressed tier
-        found its room taken meanwhile."""
+    def store(self, key: bytes, place: int, header: BlockHeader, src: Payload) -> BlockHeader:
+        """Store a whole block at an allocated ``place``, its bytes taken from ``src``
+        (another tier's payload: a demotion) through :meth:`Payload.land`. Returns the
+        header stored, which carries the checksum the bytes were checked against (a
+        block leaving a device may learn its first checksum here). CapacityError when
+        a key-addressed tier found its room taken meanwhile; CorruptBlock when the
+        bytes failed their checksum on the way (nothing stored)."""
 
     @abstractmethod
     def load(self, key: bytes, place: int, header: BlockHeader, dst: Payload) -> None:
         """Copy a stored block's payload into ``dst``, verified where the tier can rot
         (CorruptBlock, after dropping it; NotFound when it is gone)."""
+
+    def wait_hashed(self, timeout: float = 10.0) -> bool:
+        """Wait until every block committed so far has its checksum (a device tier
+        takes them off the critical path); True when they all do."""
+        return True
 
     def stored(self) -> Iterator[tuple[bytes, BlockHeader]]:
         """Blocks this tier held when it opened (a persistent tier after a restart)."""

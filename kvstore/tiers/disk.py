@@ -246,8 +246,10 @@ class DiskTier(Tier):
     def seal(self, place: int, header: BlockHeader) -> None:
         raise StorageError("the SSD tier stores whole blocks; it takes no reservations")
 
-    def store(self, key: bytes, place: int, header: BlockHeader, src: Payload) -> None:
-        self.write(key, header.pack(), src.host())
+    def store(self, key: bytes, place: int, header: BlockHeader, src: Payload) -> BlockHeader:
+        header, payload = src.land(header)  # device bytes are checked on the way
+        self.write(key, header.pack(), payload)
+        return header
 
     def load(self, key: bytes, place: int, header: BlockHeader, dst: Payload) -> None:
         self.read_into(key, dst.fill_buffer())

@@ -6,8 +6,13 @@ the node; or, when the node shares it with nobody (a server of several tenants),
 anonymous private memory that no other process can open. A segment is named by its
 owner's pid and locked while open, so the segments of crashed nodes are reclaimed when
 the next node starts (kvstore/shm/segment.py). When
-CUDA exists it is also registered as pinned memory so GPU copies from it run at full
-PCIe speed. HBM is one CUDA ``uint8`` tensor. Both are touched
+CUDA exists it is also registered with CUDA (kvstore/tiers/hostreg.py: in chunks,
+every return code checked), so a CUDA tensor is put with D2H copies straight into its
+extent, on a side stream ordered after the producer's, hashed on the host piece by
+piece as the pieces land, and read with one H2D copy straight out of it
+(kvstore/tiers/device.py); when registration fails, both go through pinned staging,
+said once in the log. HBM is one device ``uint8`` tensor (kvstore/tiers/hbm.py: D2D
+puts and reads, checksums off the critical path). Both are touched
 page by page at start: fresh pages fault on first touch at a fraction of memcpy
 speed, and that cost belongs to start-up, not to the first requests.
 
@@ -23,20 +28,24 @@ import mmap
 import os
 import secrets
 import sys
+import threading
 from typing import Any
 
 import numpy as np
 
-from kvstore.blocks import HEADER_SIZE, BlockHeader, checksum, copy_payload, host_bytes
+from kvstore.blocks import HEADER_SIZE, BlockHeader, out_view
 from kvstore.errors import ClosedError, ConfigError
 from kvstore.shm.segment import SHM_DIR, hold_segment, map_segment, owned_name, sweep_stale
 from kvstore.tier_kinds import TierKind
+from kvstore.tiers import hostreg
 from kvstore.tiers.alloc import ExtentAllocator
 from kvstore.tiers.base import HostPayload, Payload, Tier
+from kvstore.tiers.device import CopyEngine, engine_for, land_hashed, lift
+from kvstore.tiers.hbm import DevicePayload, DeviceSlab
 
 _PAGE = mmap.PAGESIZE
 
-__all__ = ["DevicePayload", "MemoryTier"]
+__all__ = ["DevicePayload", "MemoryTier", "SlabPayload"]
 
 
 class MemoryTier(Tier):
@@ -59,9 +68,10 @@ class MemoryTier(Tier):
         self.kind = kind
         self._alloc = ExtentAllocator(capacity, align)
         self._closed = False
-        self._registered = False
         self._mm: mmap.mmap | None = None
         self._hold_fd: int | None = None
+        self._slab: DeviceSlab | None = None
+        self._link = _DeviceLink()
         if kind is TierKind.DRAM:
             self._mm = self._map_dram(shm_name, shared)
             self._host = np.frombuffer(self._mm, dtype=np.uint8)
@@ -70,13 +80,7 @@ class MemoryTier(Tier):
             if pin:
                 self._pin_host()
         else:
-            import torch
-
-            if not torch.cuda.is_available():
-                raise ConfigError("an HBM tier needs CUDA, and torch sees no CUDA device")
-            self._dev = torch.empty(self._alloc.capacity, dtype=torch.uint8, device=device)
-            if warm:
-                self._dev.zero_()
+            self._slab = DeviceSlab(self._alloc.capacity, device, warm=warm)
 
     def _map_dram(self, shm_name: str | None, shared: bool) -> mmap.mmap:
         """The DRAM slab: a named segment same-host clients map, or (not ``shared``)
@@ -122,32 +126,47 @@ class MemoryTier(Tier):
 
     def release(self, key: bytes, place: int) -> None:
         self.free(place)
+        if self._slab is not None:
+            self._slab.release(place)
+
+    @property
+    def registered(self) -> bool:
+        """Whether the DRAM slab is registered with CUDA (device copies go straight in
+        and out of it; otherwise through pinned staging)."""
+        return self._link.registered
+
+    def wait_hashed(self, timeout: float = 10.0) -> bool:
+        """HBM: wait until every block committed so far has its checksum (the
+        background hasher's, or a departure's); True when it did. DRAM: True."""
+        return True if self._slab is None else self._slab.wait_hashed(timeout)
 
     # -- bytes -------------------------------------------------------------------------
 
     def payload(self, place: int, nbytes: int) -> Payload:
         """The payload of the extent at ``place``, in place: host bytes (DRAM) or a
-        CUDA tensor's (HBM)."""
+        device tensor's (HBM)."""
+        if self._slab is not None:
+            return self._slab.payload(place, nbytes)
         start = place + HEADER_SIZE
-        if self.kind is TierKind.DRAM:
-            return HostPayload(self._host[start : start + nbytes])
-        return DevicePayload(self._dev[start : start + nbytes])
+        return SlabPayload(self._host[start : start + nbytes], self._link)
 
     def seal(self, place: int, header: BlockHeader) -> None:
         self._check_open()
-        raw = header.pack()
-        if self.kind is TierKind.DRAM:
-            self._host[place : place + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+        if self._slab is not None:  # HBM: headers stay in the index (hbm.py)
+            self._slab.seal(place, header)
             return
-        import torch
+        raw = header.pack()
+        self._host[place : place + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
 
-        src = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        self._dev[place : place + len(raw)].copy_(src)
-
-    def store(self, key: bytes, place: int, header: BlockHeader, src: Payload) -> None:
+    def store(self, key: bytes, place: int, header: BlockHeader, src: Payload) -> BlockHeader:
         self._check_open()
+        dst = self.payload(place, header.payload_len)
+        if isinstance(dst, SlabPayload):  # into DRAM: the bytes land in the extent
+            header, _ = src.land(header, dst.fill_buffer(), pinned=self._link.registered)
+        else:
+            dst.write(src)
         self.seal(place, header)
-        self.payload(place, header.payload_len).write(src)
+        return header
 
     def load(self, key: bytes, place: int, header: BlockHeader, dst: Payload) -> None:
         dst.write(self.payload(place, header.payload_len))
@@ -165,9 +184,8 @@ class MemoryTier(Tier):
             return
         if not torch.cuda.is_available():
             return
-        ptr = self._host.ctypes.data
-        err = torch.cuda.cudart().cudaHostRegister(ptr, self._alloc.capacity, 0)
-        self._registered = int(err) == 0
+        what = f"DRAM slab {self.shm_name or '(private)'}"
+        self._link.registered = hostreg.register(self._host.ctypes.data, self.capacity, what)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -179,10 +197,9 @@ class MemoryTier(Tier):
             return
         self._closed = True
         if self._mm is not None:
-            if self._registered:
-                import torch
-
-                torch.cuda.cudart().cudaHostUnregister(self._host.ctypes.data)
+            if self._link.registered:
+                hostreg.unregister(self._host.ctypes.data)
+                self._link.registered = False
             del self._host
             # a caller may still hold a view; the mapping then goes when the view does
             with contextlib.suppress(BufferError):
@@ -193,61 +210,62 @@ class MemoryTier(Tier):
             if self._hold_fd is not None:
                 os.close(self._hold_fd)
                 self._hold_fd = None
-        else:
-            del self._dev
+        elif self._slab is not None:
+            self._slab.close()
 
 
-def _is_cuda(value: Any) -> bool:
+class _DeviceLink:
+    """What a DRAM slab's payloads need to copy to and from devices: whether the slab
+    is registered with CUDA, and one copy engine per device, made on first use."""
+
+    __slots__ = ("_engines", "_lock", "registered")
+
+    def __init__(self) -> None:
+        self.registered = False
+        self._engines: dict[Any, CopyEngine] = {}
+        self._lock = threading.Lock()
+
+    def engine(self, device: Any) -> CopyEngine:
+        eng = self._engines.get(device)
+        if eng is None:
+            with self._lock:
+                eng = self._engines.setdefault(device, engine_for(device))
+        return eng
+
+
+def _on_device(value: Any) -> bool:
+    if isinstance(value, Payload):
+        return False
     dev = getattr(value, "device", None)
-    return dev is not None and getattr(dev, "type", "cpu") == "cuda"
+    return dev is not None and getattr(dev, "type", "cpu") != "cpu"
 
 
-class DevicePayload(Payload):
-    """Payload bytes in HBM (a CUDA uint8 tensor view): the one place device bytes are
-    copied to or from host memory for the node."""
+class SlabPayload(HostPayload):
+    """A DRAM extent's payload: host bytes that CUDA tensors are copied into and out of
+    through the slab's copy engines (straight when it is registered)."""
 
-    __slots__ = ("_staging", "_t", "nbytes")
+    __slots__ = ("_link",)
 
-    def __init__(self, t: Any) -> None:
-        self._t = t
-        self._staging: np.ndarray | None = None
-        self.nbytes = int(t.numel())
+    def __init__(self, arr: np.ndarray, link: _DeviceLink) -> None:
+        super().__init__(arr)
+        self._link = link
 
-    def host(self) -> np.ndarray:
-        return np.asarray(self._t.cpu().numpy())
-
-    def copy_to(self, header: BlockHeader, out: Any) -> None:
-        if _is_cuda(out) and out.numel() * out.element_size() == header.payload_len:
-            import torch
-
-            out.reshape(-1).view(torch.uint8).copy_(self._t)
-            return
-        copy_payload(header, self.host(), out)  # a host out, or the size mismatch raised
-
-    def fill_buffer(self) -> np.ndarray:
-        if self._staging is None:
-            self._staging = np.empty(self.nbytes, dtype=np.uint8)
-        return self._staging
-
-    def write(self, value: Any) -> None:
+    def write(self, value: Any) -> int | None:
+        """A device tensor lands by D2H pieces on a side stream ordered after the
+        producer's, each hashed as it lands: returns that xxh3 (the commit's landed
+        checksum); anything else is copied as HostPayload copies it."""
+        if not _on_device(value):
+            return super().write(value)
         import torch
 
-        self._staging = None
-        if isinstance(value, DevicePayload):
-            src = value._t
-        elif isinstance(value, Payload):
-            src = torch.from_numpy(value.host())
-        elif hasattr(value, "untyped_storage"):
-            src = value.detach().reshape(-1).view(torch.uint8)
-        else:
-            src = torch.from_numpy(np.frombuffer(host_bytes(value), dtype=np.uint8))
-        self._t.copy_(src)
+        src = value.detach().reshape(-1).view(torch.uint8)
+        engine = self._link.engine(src.device)
+        engine.order(caller=True)
+        return land_hashed(engine, src, self._arr, pinned=self._link.registered)
 
-    def flush(self) -> None:
-        if self._staging is not None:
-            import torch
-
-            self._t.copy_(torch.from_numpy(self._staging))
-
-    def checksum(self) -> int:
-        return checksum(self.host() if self._staging is None else self._staging)
+    def copy_to(self, header: BlockHeader, out: Any) -> None:
+        dst = out_view(header, out)
+        if isinstance(dst, np.ndarray):
+            np.copyto(dst, self._arr, casting="no")
+            return
+        lift(self._link.engine(dst.device), self._arr, dst, pinned=self._link.registered)

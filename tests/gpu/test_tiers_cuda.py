@@ -1,0 +1,187 @@
+"""The node's GPU copies on a CUDA device (issue 31, "The HBM tier" and items 3-4):
+exact bytes on every path, no host hash or host copy where the issue forbids one, the
+checksum rule (kvstore/tiers/hashbook.py) with real streams, and a real ``kvstore
+serve`` whose top tier is HBM. tests/unit/test_hbm_deferred.py runs the same
+bookkeeping on the host, without a GPU.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvstore.blocks import HEADER_SIZE, checksum
+from kvstore.config import NodeConfig
+from kvstore.errors import CorruptBlock
+from kvstore.node.store import StoreNode
+from kvstore.tier_kinds import TierKind
+from kvstore.tiers import hbm, hostreg
+from kvstore.tiers.device import CudaEngine
+from tests.support.server_fixtures import ServerFactory
+
+pytest_plugins = ["tests.support.server_fixtures"]
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+MiB = 1 << 20
+
+
+def _value(seed: int, nbytes: int = 4 * MiB) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    v = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda", generator=g)
+    return v.view(torch.bfloat16).reshape(2, 2, 1, -1, 64)  # a bf16 block, any geometry
+
+
+def _host_sum(t: torch.Tensor) -> int:
+    return checksum(t.reshape(-1).view(torch.uint8).cpu().numpy())
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[StoreNode]:
+    cfg = NodeConfig(
+        hbm_bytes=32 * MiB,
+        dram_bytes=32 * MiB,
+        ssd_path=str(tmp_path / "ssd"),
+        ssd_bytes=128 * MiB,
+        shm_name="",
+    )
+    with StoreNode(cfg) as n:
+        yield n
+
+
+class _Calls:
+    """Calls of a function made on the test's own thread (the hasher's are its own)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, owner: Any, name: str) -> None:
+        real = getattr(owner, name)
+        self.n, me = 0, threading.get_ident()
+
+        def counted(*args: Any, **kw: Any) -> Any:
+            if threading.get_ident() == me:
+                self.n += 1
+            return real(*args, **kw)
+
+        monkeypatch.setattr(owner, name, counted)
+
+
+def test_hbm_put_and_get_into_are_one_device_copy_each(
+    node: StoreNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hashes = _Calls(monkeypatch, hbm, "land_hashed")
+    staging = _Calls(monkeypatch, CudaEngine, "staging")
+    value = _value(1)
+    assert node.put(b"a" * 16, value) is True
+    out = torch.empty_like(value)
+    assert node.get_into(b"a" * 16, out) is True
+    assert hashes.n == 0 and staging.n == 0  # no host hash, no host buffer
+    assert node.tier_of(b"a" * 16) is TierKind.HBM
+    assert torch.equal(out.view(torch.uint8), value.view(torch.uint8))  # bytes, NaN-safe
+
+
+def test_the_checksum_is_right_after_demotion_and_before_a_network_read(node: StoreNode) -> None:
+    a, b = _value(2), _value(3)
+    node.put(b"a" * 16, a)
+    node.put(b"b" * 16, b)
+    with node.pin(b"b" * 16) as blk:  # what the server sends: host bytes, then header
+        assert blk is not None
+        sent = blk.host()
+        assert blk.header.checksum == checksum(sent) == _host_sum(b)
+        assert blk.header.pack()
+    assert node.evict(TierKind.HBM, 0) == 2
+    for key, v in ((b"a" * 16, a), (b"b" * 16, b)):
+        assert node.tier_of(key) is TierKind.DRAM
+        assert node._index.state.entries[key].header.checksum == _host_sum(v)
+        out = torch.empty_like(v)
+        assert node.get_into(key, out) and torch.equal(out.view(torch.uint8), v.view(torch.uint8))
+
+
+@pytest.mark.parametrize("leave", ["demotion", "read"])
+def test_a_corrupted_hbm_byte_is_a_miss_when_the_block_leaves(node: StoreNode, leave: str) -> None:
+    key = b"c" * 16
+    node.put(key, _value(4))
+    assert node.settle_checksums(10.0)
+    place = node._index.state.entries[key].place
+    node._tiers[0]._slab.tensor[place + HEADER_SIZE + 99] ^= 0x40  # a stray device write
+    torch.cuda.synchronize()
+    if leave == "demotion":
+        node.evict(TierKind.HBM, 0)
+    else:
+        with node.pin(key) as blk:
+            assert blk is not None
+            with pytest.raises(CorruptBlock):
+                blk.host()
+    assert node.stats()["counters"]["corrupt_blocks_hbm"] == 1
+    assert node.get(key) is None  # never the wrong bytes
+
+
+@pytest.mark.parametrize("pin", [True, False])
+def test_dram_put_from_and_get_into_cuda_are_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pin: bool
+) -> None:
+    with StoreNode(NodeConfig(dram_bytes=64 * MiB, shm_name="")) as n:
+        dram = n._tiers[0]
+        if not pin:  # registration failed: the pinned-staging fallback
+            hostreg.unregister(dram._host.ctypes.data)
+            dram._link.registered = False
+        assert dram.registered is pin, "cudaHostRegister of the DRAM slab failed"
+        staging = _Calls(monkeypatch, CudaEngine, "staging")
+        for i, size in enumerate((1 * MiB, 4 * MiB, 16 * MiB)):
+            v = _value(10 + i, size)
+            key = bytes([i]) * 16
+            assert n.put(key, v) is True
+            assert n._index.state.entries[key].header.checksum == _host_sum(v)
+            out = torch.empty_like(v)
+            assert n.get_into(key, out) and torch.equal(out.view(torch.uint8), v.view(torch.uint8))
+        assert (staging.n == 0) is pin  # registered: straight in and out of the slab
+
+
+def test_a_range_is_never_registered_twice() -> None:
+    buf = np.zeros(8 * MiB, dtype=np.uint8)
+    ptr = buf.ctypes.data
+    try:
+        assert hostreg.register(ptr, buf.nbytes, "test buffer")
+        assert hostreg.register(ptr, buf.nbytes, "test buffer")  # the same range: done already
+        assert not hostreg.register(ptr + MiB, MiB, "an overlap")  # refused before CUDA sees it
+        assert (torch.ones(4, device="cuda") + 1).sum().item() == 8  # no late error
+    finally:
+        hostreg.unregister(ptr)
+    assert not hostreg.registered(ptr)
+
+
+def test_the_copy_engine_orders_a_put_after_the_producer_stream(node: StoreNode) -> None:
+    producer = torch.cuda.Stream()
+    with torch.cuda.stream(producer):
+        v = torch.empty(4 * MiB, dtype=torch.uint8, device="cuda")
+        torch.cuda._sleep(50_000_000)  # the fill lands well after the put is enqueued
+        v.fill_(7)
+        assert node.put(b"o" * 16, v) is True
+    out = torch.zeros_like(v)
+    assert node.get_into(b"o" * 16, out)
+    assert int(out.min()) == 7 == int(out.max())
+    assert isinstance(node._tiers[0]._slab.engine, CudaEngine)
+
+
+@pytest.mark.process
+def test_an_hbm_node_takes_same_host_puts_and_serves_tcp_reads(
+    server_factory: ServerFactory,
+) -> None:
+    server = server_factory(hbm_bytes="64MiB")
+    values = [np.random.default_rng(i).integers(0, 256, MiB, dtype=np.uint8) for i in range(3)]
+    with server.client() as c:  # transport auto: shared memory, into DRAM
+        assert c.batch_put([b"s" * 16, b"t" * 16], values[:2]) == [True, True]
+        assert c.transport == "shm"
+    with server.client(transport="tcp") as c:  # over the socket: into HBM, out of it
+        assert c.put(b"u" * 16, values[2]) is True
+        for key, v in zip((b"s" * 16, b"t" * 16, b"u" * 16), values, strict=True):
+            out = np.zeros_like(v)
+            assert c.get_into(key, out) is True and np.array_equal(out, v)
+        tiers = c.stats()["tiers"]
+    assert tiers["hbm"]["blocks"] == 1 and tiers["dram"]["blocks"] == 2
