@@ -203,11 +203,17 @@ def ttft_row(address: str, runs: int) -> dict[str, Any]:
 
 def node_rows(runs: int) -> list[dict[str, Any]]:
     """Node-level HBM and DRAM copies against device copies (benchmarks/gpu_node.py)."""
-    try:
-        import gpu_node
-    except ModuleNotFoundError:
-        return [{"measure": "gpu_node.py", "missing": True}]
-    rows: list[dict[str, Any]] = gpu_node.rows(runs=runs, device=DEVICE)
+    import gpu_node
+
+    smoke = DEVICE == "cpu"
+    found = gpu_node.hbm_rows(repeats=runs, smoke_cpu=smoke)
+    found += gpu_node.dram_rows(repeats=runs, smoke_cpu=smoke)
+    targets = {"HBM get_into": 0.8, "HBM put": 0.5, "DRAM put from CUDA": 0.5}
+    rows = []
+    for r in found:
+        what = f"node {r.measure}, {r.block_mib:g} MiB" + (f" ({r.note})" if r.note else "")
+        target = targets.get(r.measure, 0.8)
+        rows.append(_row(what, r.ours_gbps, r.anchor, r.anchor_gbps, target))
     return rows
 
 

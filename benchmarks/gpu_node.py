@@ -72,7 +72,11 @@ def _sync(device: str) -> None:
 
 
 def _gbps(nbytes: int, op: Callable[[int], Any], n: int, device: str, repeats: int) -> float:
-    """Median GB/s of ``repeats`` rounds of ``op(i)`` for i < n, each op synchronized."""
+    """Median GB/s of ``repeats`` rounds of ``op(i)`` for i < n, each op synchronized,
+    after one untimed round (first touches and lazy set-up are not the steady state)."""
+    for i in range(n):
+        op(i)
+    _sync(device)
     rates = []
     for _ in range(repeats):
         t0 = time.perf_counter()
