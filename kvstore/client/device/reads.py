@@ -5,8 +5,8 @@ are gathered per device and queued as one submission: the DMA reads them straigh
 the segment, with no host copy and no host hash (the server verified each block's
 xxh3 when it was committed; README.md, "Guarantees"). Everything else (a payload
 arriving on the socket, a segment that could not be registered) lands in a staging ring
-(staging.py) and is copied from there as it arrives, so the host's next receive overlaps
-the previous copy.
+(kvstore/copies/staging.py) and is copied from there as it arrives, so the host's next
+receive overlaps the previous copy.
 
 ``finish`` queues what is gathered and waits once per device batch. The caller decides
 what a block's result is only after it: a direct read's slot check, a lease's expiry
@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.client.device.copier import Batch, CopyEngine
-from kvstore.client.device.registry import Registration
-from kvstore.client.device.staging import StagingRing
+from kvstore.copies.engine import Batch, CopyEngine
+from kvstore.copies.registry import Registration
+from kvstore.copies.staging import StagingRing
 from kvstore.errors import DeviceError
 
 __all__ = ["DeviceRead"]

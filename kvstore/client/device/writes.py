@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.client.device.copier import Batch, Completion, CopyEngine
-from kvstore.client.device.registry import Registration
-from kvstore.client.device.staging import StagingRing
+from kvstore.copies.engine import Batch, Completion, CopyEngine
+from kvstore.copies.registry import Registration
+from kvstore.copies.staging import StagingRing
 from kvstore.errors import DeviceError
 
 __all__ = ["DeviceWrite"]
