@@ -17,8 +17,8 @@ the copies' streams, so a freed buffer is reused only after its copy. CUDA failu
 (RuntimeError and its torch subclasses) become :class:`~kvstore.errors.DeviceError`
 here and nowhere else.
 
-Thread-safe: ``_lock`` guards the stream pool and the ordered streams; a batch belongs
-to the one thread that began it.
+Thread-safe: ``_lock`` guards the stream pool and the making of an ordered stream (read
+without it once made: never replaced); a batch belongs to the one thread that began it.
 """
 
 from __future__ import annotations
@@ -173,6 +173,9 @@ class CudaCopyEngine(CopyEngine):
             caller.wait_stream(ordered)
 
     def _ordered_stream(self, index: int) -> Any:
+        stream = self._ordered.get(index)  # made once per device, never replaced
+        if stream is not None:
+            return stream
         with self._lock:
             stream = self._ordered.get(index)
             if stream is None:

@@ -36,13 +36,13 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
 from kvstore.errors import DeviceError
 
-__all__ = ["Batch", "Completion", "CopyEngine", "Staged", "is_cuda"]
+__all__ = ["Batch", "Completion", "CopyEngine", "Finishing", "Staged", "is_cuda"]
 
 
 def is_cuda(value: Any) -> bool:
@@ -75,16 +75,17 @@ class Staged:
         return self.handle[:n]
 
 
-class Batch(ABC):
-    """Copies on one stream, ordered after the streams named at ``begin``. A context
-    manager: leaving it finishes the batch (by an exception too, then dropping a
-    DeviceError behind the exception already raised)."""
+class Finishing(ABC):
+    """Copies in flight as a context manager: leaving it calls :meth:`finish`, which
+    waits for them, by an exception too (then a DeviceError of the wait is dropped
+    behind the exception already raised), so no copy is in flight into a caller's
+    tensor, a leased extent or a staging buffer once the block is left."""
 
-    def __init__(self, engine: CopyEngine) -> None:
-        self.engine = engine
-        self._done = False
+    @abstractmethod
+    def finish(self) -> None:
+        """Wait for every copy queued; idempotent."""
 
-    def __enter__(self) -> Batch:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
@@ -93,6 +94,14 @@ class Batch(ABC):
             return
         with contextlib.suppress(DeviceError):
             self.finish()
+
+
+class Batch(Finishing):
+    """Copies on one stream, ordered after the streams named at ``begin``."""
+
+    def __init__(self, engine: CopyEngine) -> None:
+        self.engine = engine
+        self._done = False
 
     @abstractmethod
     def h2d(self, dsts: Sequence[Any], srcs: Sequence[Any]) -> None:
@@ -120,7 +129,7 @@ class Batch(ABC):
             self._done = True
             self._release()
 
-    def _release(self) -> None:  # noqa: B027 - a hook: nothing to give back on the host
+    def _release(self) -> None:
         """Give the batch's stream back (nothing for the host engine)."""
 
 

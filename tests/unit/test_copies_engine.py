@@ -14,6 +14,7 @@ import torch
 
 from kvstore.blocks import checksum
 from kvstore.copies.cuda import engine_for
+from kvstore.copies.engine import Staged
 from kvstore.copies.host import HostCopyEngine
 from kvstore.copies.landing import land_hashed, lift, pieces
 from kvstore.copies.staging import StagingRing
@@ -98,20 +99,24 @@ def test_a_landing_in_pieces_hashes_what_landed(nbytes: int, pinned: bool) -> No
     assert engine.stats["waits"] == len(spans) and engine.stats["syncs"] == 1
 
 
+class _Counting(HostCopyEngine):
+    """The host engine, keeping the size of every staging buffer it hands out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.staged: list[int] = []
+
+    def staging(self, n: int) -> Staged:
+        self.staged.append(n)
+        return super().staging(n)
+
+
 @pytest.mark.parametrize("pinned", [True, False])
 def test_a_lift_is_one_copy_waited_for(pinned: bool) -> None:
-    engine = HostCopyEngine()
+    engine = _Counting()
     src = _bytes(3, MiB + 5).numpy()
     dst = torch.zeros(MiB + 5, dtype=torch.uint8)
-    allocated: list[int] = []
-    staging = engine.staging
-
-    def counted(n: int):  # type: ignore[no-untyped-def]
-        allocated.append(n)
-        return staging(n)
-
-    engine.staging = counted  # type: ignore[method-assign]
     lift(engine, src, dst, pinned=pinned)
     assert np.array_equal(dst.numpy(), src)
     assert engine.stats == {"batches": 1, "copies": 1, "syncs": 1, "waits": 1}
-    assert allocated == ([] if pinned else [MiB + 5])  # staged once when not page-locked
+    assert engine.staged == ([] if pinned else [MiB + 5])  # staged once when not page-locked

@@ -20,21 +20,19 @@ Not thread-safe: one per call.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from kvstore.copies.engine import Batch, CopyEngine
+from kvstore.copies.engine import Batch, CopyEngine, Finishing
 from kvstore.copies.registry import Registration
 from kvstore.copies.staging import StagingRing
-from kvstore.errors import DeviceError
 
 __all__ = ["DeviceRead"]
 
 
-class DeviceRead:
+class DeviceRead(Finishing):
     """Copies into flat uint8 tensors (``engine.flat(out)``) of one call."""
 
     def __init__(
@@ -53,16 +51,6 @@ class DeviceRead:
         self._gathered: dict[Any, tuple[list[Any], list[np.ndarray]]] = {}
         self.staged_bytes = 0  # bytes that went through staging (host copies or receives)
         self._finished = False
-
-    def __enter__(self) -> DeviceRead:
-        return self
-
-    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
-        if kind is None:
-            self.finish()
-            return
-        with contextlib.suppress(DeviceError):
-            self.finish()
 
     def _batch(self, device: Any) -> Batch:
         batch = self._batches.get(device)
