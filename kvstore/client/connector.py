@@ -23,11 +23,11 @@ from collections.abc import Callable
 
 from kvstore._proto import store_pb2 as pb
 from kvstore.client.control import Control, ControlChannel
-from kvstore.client.device.copier import CopyEngine
-from kvstore.client.device.registry import HostRegistry
 from kvstore.client.transport.base import Links
 from kvstore.client.transport.pool import ConnPool
 from kvstore.config import ClientConfig
+from kvstore.copies.engine import CopyEngine
+from kvstore.copies.registry import HostRegistry
 from kvstore.errors import ConfigError
 from kvstore.observe.counters import NodeCounters
 from kvstore.wire.locality import PROBE_TIMEOUT_S

@@ -9,7 +9,7 @@ tensor is one device-to-device copy and commits with its checksum *pending*
    checksum, taken from the device bytes after the put's copy completed;
 2. or, if the block leaves the GPU first (a demotion, a network read, a copy into a
    host buffer), by that departure: every departure lands the bytes in host memory
-   and hashes them on the way (kvstore/tiers/device.py, ``land_hashed``). A pending
+   and hashes them on the way (kvstore/copies/landing.py, ``land_hashed``). A pending
    block's departure hash *is* its first checksum; a known one is checked against it,
    and a mismatch is a :class:`~kvstore.errors.CorruptBlock` (the node counts it,
    drops the block and answers a miss), never bytes handed on.

@@ -1,10 +1,10 @@
 """The HBM tier's slab: blocks in one device tensor, put and read device to device,
 hashed off the critical path.
 
-A put from a device tensor is one D2D copy on the engine's tier stream, ordered
-after the producer's stream by an event, the producer's stream then ordered after
-the copy (kvstore/tiers/device.py); the host does not wait for it, and the put
-commits the block with its checksum *pending*. A get_into a device
+A put from a device tensor is one D2D copy on the copy engine's ordered stream
+(kvstore/copies/engine.py), ordered after the producer's stream by an event, the
+producer's stream then ordered after the copy; the host does not wait for it, and the
+put commits the block with its checksum *pending*. A get_into a device
 tensor is one D2D copy on the same stream, the caller's stream ordered after it: no
 host round trip and no allocation beyond a view. Because every asynchronous copy
 into or out of the slab runs on that one stream, a place released after a read was
@@ -32,9 +32,11 @@ from typing import Any
 import numpy as np
 
 from kvstore.blocks import HEADER_SIZE, BlockHeader, checksum, host_bytes, out_view
+from kvstore.copies.cuda import CudaCopyEngine, engine_for
+from kvstore.copies.engine import CopyEngine, Staged
+from kvstore.copies.landing import land_hashed
 from kvstore.errors import ConfigError
 from kvstore.tiers.base import Payload
-from kvstore.tiers.device import CopyEngine, CudaEngine, engine_for, land_hashed
 from kvstore.tiers.hashbook import HashBook, Hasher
 
 __all__ = ["DevicePayload", "DeviceSlab"]
@@ -51,17 +53,17 @@ class DeviceSlab:
         if torch.device(device).type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("an HBM tier needs CUDA, and torch sees no CUDA device")
         self.engine: CopyEngine = engine_for(device)
-        self.tensor = self.engine.slab(capacity)
+        self.tensor = self.engine.slab(capacity, device)
         if warm:
             self.tensor.zero_()
         if self.on_cuda:  # the zeroing ran on the default stream: done before any copy
-            torch.cuda.synchronize(self.engine.device)
+            torch.cuda.synchronize(self.tensor.device)
         self.book = HashBook()
         self._hasher = Hasher(self.book, self.digest)
 
     @property
     def on_cuda(self) -> bool:
-        return isinstance(self.engine, CudaEngine)
+        return isinstance(self.engine, CudaCopyEngine)
 
     def payload(self, place: int, nbytes: int) -> DevicePayload:
         start = place + HEADER_SIZE
@@ -77,11 +79,9 @@ class DeviceSlab:
         self, place: int, t: Any, header: BlockHeader, into: np.ndarray | None, pinned: bool
     ) -> tuple[BlockHeader, np.ndarray]:
         """The departure of the block at ``place`` (see the module docstring)."""
-        engine = self.engine
-        engine.order(caller=False, tier=True)
         if into is None:
-            into, pinned = engine.staging(int(t.numel())).numpy(), True
-        landed = land_hashed(engine, t, into, pinned=pinned)
+            into, pinned = self.engine.staging(int(t.numel())).view, True
+        landed = self._land(t, into, pinned)
         return self.book.settle(place, header, landed), into
 
     def digest(self, place: int, nbytes: int) -> int:
@@ -90,9 +90,12 @@ class DeviceSlab:
         return self.hash_view(self.tensor[start : start + nbytes])
 
     def hash_view(self, t: Any) -> int:
-        engine = self.engine
-        engine.order(caller=False, tier=True)
-        return land_hashed(engine, t, engine.staging(int(t.numel())).numpy(), pinned=True)
+        return self._land(t, self.engine.staging(int(t.numel())).view, True)
+
+    def _land(self, t: Any, into: np.ndarray, pinned: bool) -> int:
+        # after the slab's ordered stream (the put that wrote the bytes), not the
+        # caller's: a departure or the hasher never waits for the caller's compute
+        return land_hashed(self.engine, t, into, pinned=pinned, after_caller=False, after_slab=True)
 
     def wait_hashed(self, timeout: float) -> bool:
         """Wait until every block sealed so far has its checksum; True when it did."""
@@ -111,17 +114,17 @@ class DevicePayload(Payload):
 
     def __init__(self, slab: DeviceSlab, place: int, t: Any) -> None:
         self._slab, self._place, self._t = slab, place, t
-        self._staging: Any = None  # a host tensor a fill goes through
+        self._staging: Staged | None = None  # a host buffer a fill goes through
         self.nbytes = int(t.numel())
         self.defers_checksum = False
 
     def host(self) -> np.ndarray:
         """The raw bytes in host memory, unchecked (departures use :meth:`land`)."""
         engine = self._slab.engine
-        engine.order(caller=False, tier=True)
         buf = engine.staging(self.nbytes)
-        engine.to_host(buf, self._t).wait()
-        return np.asarray(buf.numpy())
+        with engine.begin(self._t.device, after_caller=False, after_slab=True) as batch:
+            batch.d2h([buf.part(self.nbytes)], [self._t])
+        return np.asarray(buf.view[: self.nbytes])
 
     def copy_to(self, header: BlockHeader, out: Any) -> None:
         dst = out_view(header, out)
@@ -138,7 +141,7 @@ class DevicePayload(Payload):
     def fill_buffer(self) -> np.ndarray:
         if self._staging is None:
             self._staging = self._slab.engine.staging(self.nbytes)
-        return np.asarray(self._staging.numpy())
+        return np.asarray(self._staging.view[: self.nbytes])
 
     def write(self, value: Any) -> int | None:
         import torch
@@ -165,9 +168,9 @@ class DevicePayload(Payload):
 
     def flush(self) -> None:
         if self._staging is not None:
-            self._slab.engine.write(self._t, self._staging, host_src=True)
+            self._slab.engine.write(self._t, self._staging.part(self.nbytes), host_src=True)
 
     def checksum(self) -> int:
         if self._staging is not None:
-            return checksum(self._staging.numpy())
+            return checksum(self._staging.view[: self.nbytes])
         return self._slab.hash_view(self._t)

@@ -6,14 +6,14 @@ the node; or, when the node shares it with nobody (a server of several tenants),
 anonymous private memory that no other process can open. A segment is named by its
 owner's pid and locked while open, so the segments of crashed nodes are reclaimed when
 the next node starts (kvstore/shm/segment.py). When
-CUDA exists it is also registered with CUDA (kvstore/tiers/hostreg.py: in chunks,
-every return code checked), so a CUDA tensor is put with D2H copies straight into its
-extent, on a side stream ordered after the producer's, hashed on the host piece by
-piece as the pieces land, and read with one H2D copy straight out of it
-(kvstore/tiers/device.py); when registration fails, both go through pinned staging,
-said once in the log. HBM is one device ``uint8`` tensor (kvstore/tiers/hbm.py: D2D
-puts and reads, checksums off the critical path). Both are touched
-page by page at start: fresh pages fault on first touch at a fraction of memcpy
+CUDA exists it is also registered with CUDA (the process's registry,
+kvstore/copies/registry.py: in chunks, every return code checked), so a CUDA tensor is
+put with D2H copies straight into its extent, on a side stream ordered after the
+producer's, hashed on the host piece by piece as the pieces land, and read with one H2D
+copy straight out of it (kvstore/copies/landing.py); when registration fails, both go
+through pinned staging, said once in the log. HBM is one device ``uint8`` tensor
+(kvstore/tiers/hbm.py: D2D puts and reads, checksums off the critical path). Both are
+touched page by page at start: fresh pages fault on first touch at a fraction of memcpy
 speed, and that cost belongs to start-up, not to the first requests.
 
 A block occupies one extent: the 128-byte header, then the payload. The tier does
@@ -34,13 +34,15 @@ from typing import Any
 import numpy as np
 
 from kvstore.blocks import HEADER_SIZE, BlockHeader, out_view
+from kvstore.copies.cuda import engine_for
+from kvstore.copies.engine import CopyEngine
+from kvstore.copies.landing import land_hashed, lift
+from kvstore.copies.registry import Registration, process_registry
 from kvstore.errors import ClosedError, ConfigError
 from kvstore.shm.segment import SHM_DIR, hold_segment, map_segment, owned_name, sweep_stale
 from kvstore.tier_kinds import TierKind
-from kvstore.tiers import hostreg
 from kvstore.tiers.alloc import ExtentAllocator
 from kvstore.tiers.base import HostPayload, Payload, Tier
-from kvstore.tiers.device import CopyEngine, engine_for, land_hashed, lift
 from kvstore.tiers.hbm import DevicePayload, DeviceSlab
 
 _PAGE = mmap.PAGESIZE
@@ -72,6 +74,7 @@ class MemoryTier(Tier):
         self._hold_fd: int | None = None
         self._slab: DeviceSlab | None = None
         self._link = _DeviceLink()
+        self._reg: Registration | None = None  # the DRAM slab's registration with CUDA
         if kind is TierKind.DRAM:
             self._mm = self._map_dram(shm_name, shared)
             self._host = np.frombuffer(self._mm, dtype=np.uint8)
@@ -184,8 +187,9 @@ class MemoryTier(Tier):
             return
         if not torch.cuda.is_available():
             return
-        what = f"DRAM slab {self.shm_name or '(private)'}"
-        self._link.registered = hostreg.register(self._host.ctypes.data, self.capacity, what)
+        what = f"the node's DRAM slab {self.shm_name or '(private)'}"
+        self._reg = process_registry().register(self._host.ctypes.data, self.capacity, what)
+        self._link.registered = self._reg.pinned
 
     def _check_open(self) -> None:
         if self._closed:
@@ -197,9 +201,10 @@ class MemoryTier(Tier):
             return
         self._closed = True
         if self._mm is not None:
-            if self._link.registered:
-                hostreg.unregister(self._host.ctypes.data)
+            if self._reg is not None:
                 self._link.registered = False
+                process_registry().release(self._reg)
+                self._reg = None
             del self._host
             # a caller may still hold a view; the mapping then goes when the view does
             with contextlib.suppress(BufferError):
@@ -216,7 +221,8 @@ class MemoryTier(Tier):
 
 class _DeviceLink:
     """What a DRAM slab's payloads need to copy to and from devices: whether the slab
-    is registered with CUDA, and one copy engine per device, made on first use."""
+    is registered with CUDA, and the copy engine of each device, chosen on first use
+    (kvstore/copies/cuda.py ``engine_for``: the process's CUDA engine for CUDA)."""
 
     __slots__ = ("_engines", "_lock", "registered")
 
@@ -256,11 +262,8 @@ class SlabPayload(HostPayload):
         checksum); anything else is copied as HostPayload copies it."""
         if not _on_device(value):
             return super().write(value)
-        import torch
-
-        src = value.detach().reshape(-1).view(torch.uint8)
+        src = CopyEngine.flat(value.detach())
         engine = self._link.engine(src.device)
-        engine.order(caller=True)
         return land_hashed(engine, src, self._arr, pinned=self._link.registered)
 
     def copy_to(self, header: BlockHeader, out: Any) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvstore import StoreClient
-from kvstore.client.device.side import process_engine
+from kvstore.copies.cuda import process_engine
 from tests.support import device_checks as checks
 from tests.support.server_process import ServerProcess
 

@@ -18,11 +18,12 @@ import torch
 
 from kvstore.blocks import HEADER_SIZE, checksum
 from kvstore.config import NodeConfig
+from kvstore.copies.cuda import CudaCopyEngine
+from kvstore.copies.registry import process_registry
 from kvstore.errors import CorruptBlock
 from kvstore.node.store import StoreNode
 from kvstore.tier_kinds import TierKind
-from kvstore.tiers import hbm, hostreg
-from kvstore.tiers.device import CudaEngine
+from kvstore.tiers import hbm
 from tests.support.server_fixtures import ServerFactory
 
 pytest_plugins = ["tests.support.server_fixtures"]
@@ -76,7 +77,7 @@ def test_hbm_put_and_get_into_are_one_device_copy_each(
     node: StoreNode, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     hashes = _Calls(monkeypatch, hbm, "land_hashed")
-    staging = _Calls(monkeypatch, CudaEngine, "staging")
+    staging = _Calls(monkeypatch, CudaCopyEngine, "staging")
     value = _value(1)
     assert node.put(b"a" * 16, value) is True
     out = torch.empty_like(value)
@@ -129,10 +130,11 @@ def test_dram_put_from_and_get_into_cuda_are_exact(
     with StoreNode(NodeConfig(dram_bytes=64 * MiB, shm_name="")) as n:
         dram = n._tiers[0]
         if not pin:  # registration failed: the pinned-staging fallback
-            hostreg.unregister(dram._host.ctypes.data)
+            process_registry().release(dram._reg)
+            dram._reg = None
             dram._link.registered = False
         assert dram.registered is pin, "cudaHostRegister of the DRAM slab failed"
-        staging = _Calls(monkeypatch, CudaEngine, "staging")
+        staging = _Calls(monkeypatch, CudaCopyEngine, "staging")
         for i, size in enumerate((1 * MiB, 4 * MiB, 16 * MiB)):
             v = _value(10 + i, size)
             key = bytes([i]) * 16
@@ -141,19 +143,6 @@ def test_dram_put_from_and_get_into_cuda_are_exact(
             out = torch.empty_like(v)
             assert n.get_into(key, out) and torch.equal(out.view(torch.uint8), v.view(torch.uint8))
         assert (staging.n == 0) is pin  # registered: straight in and out of the slab
-
-
-def test_a_range_is_never_registered_twice() -> None:
-    buf = np.zeros(8 * MiB, dtype=np.uint8)
-    ptr = buf.ctypes.data
-    try:
-        assert hostreg.register(ptr, buf.nbytes, "test buffer")
-        assert hostreg.register(ptr, buf.nbytes, "test buffer")  # the same range: done already
-        assert not hostreg.register(ptr + MiB, MiB, "an overlap")  # refused before CUDA sees it
-        assert (torch.ones(4, device="cuda") + 1).sum().item() == 8  # no late error
-    finally:
-        hostreg.unregister(ptr)
-    assert not hostreg.registered(ptr)
 
 
 def test_the_copy_engine_orders_a_put_after_the_producer_stream(node: StoreNode) -> None:
@@ -166,7 +155,7 @@ def test_the_copy_engine_orders_a_put_after_the_producer_stream(node: StoreNode)
     out = torch.zeros_like(v)
     assert node.get_into(b"o" * 16, out)
     assert int(out.min()) == 7 == int(out.max())
-    assert isinstance(node._tiers[0]._slab.engine, CudaEngine)
+    assert isinstance(node._tiers[0]._slab.engine, CudaCopyEngine)
 
 
 @pytest.mark.process

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import pytest
 
 from kvstore import StoreClient
-from kvstore.client.device.copier import HostCopyEngine
-from kvstore.client.device.registry import HostRegistry
+from kvstore.copies.host import HostCopyEngine
+from kvstore.copies.registry import HostRegistry
 from tests.support import device_checks as checks
 from tests.support.cudart import RecordingCudart
 from tests.support.server_process import ServerProcess

@@ -1,6 +1,6 @@
-"""A cudart-like object for the registry's tests: the two calls the client makes
-(kvstore/client/device/registry.py), keeping what is registered, refusing what the
-driver refuses, failing where a test says."""
+"""A cudart-like object for the registry's tests: the two calls the registry makes
+(kvstore/copies/registry.py), keeping what is registered, refusing what the driver
+refuses, failing where a test says."""
 
 from __future__ import annotations
 

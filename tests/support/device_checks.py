@@ -20,9 +20,9 @@ import kvstore.client.transport.device_paths as device_paths
 import kvstore.client.transport.shm_direct as shm_direct
 from kvstore import Namespace, StoreClient, prefix_keys
 from kvstore.client.connector import SocketConnector
-from kvstore.client.device.copier import CopyEngine
-from kvstore.client.device.registry import HostRegistry
-from kvstore.client.device.staging import StagingRing
+from kvstore.copies.engine import CopyEngine
+from kvstore.copies.registry import HostRegistry
+from kvstore.copies.staging import StagingRing
 from tests.support.cudart import RecordingCudart
 from tests.support.server_process import ALPHA, ServerProcess
 

@@ -1,8 +1,9 @@
-"""The device paths' batching, staging and ordering logic, run on CPU through the host
-copy engine (kvstore/client/device/copier.py), which runs a copy only when an event after
-it is waited for, as a stream would: one submission and one wait per batch, staging
-slots reused only after their copy, slot checks of a direct read only after the copies,
-and a block rewritten during a direct read never reported as read."""
+"""The client's device paths' batching, staging and ordering logic (kvstore/client/device/),
+run on CPU through the host copy engine (kvstore/copies/host.py), which runs a copy only
+when an event after it is waited for, as a stream would: one submission and one wait per
+batch, staging slots reused only after their copy, slot checks of a direct read only
+after the copies, and a block rewritten during a direct read never reported as read. The
+engines and the staging ring themselves: tests/unit/test_copies_engine.py."""
 
 from __future__ import annotations
 
@@ -17,12 +18,12 @@ import pytest
 import torch
 
 from kvstore.blocks import HEADER_SIZE, BlockHeader, describe
-from kvstore.client.device.copier import Batch, HostCopyEngine
 from kvstore.client.device.reads import DeviceRead
-from kvstore.client.device.registry import HostRegistry
-from kvstore.client.device.staging import StagingRing
 from kvstore.client.device.writes import DeviceWrite
 from kvstore.client.transport.shm_direct import FALLBACK, DirectReader
+from kvstore.copies.engine import Batch
+from kvstore.copies.host import HostCopyEngine
+from kvstore.copies.registry import HostRegistry
 from kvstore.observe.counters import NodeCounters
 from kvstore.shm.index import IndexReader, IndexWriter, index_name, reader_supported
 from kvstore.shm.segment import SHM_DIR, map_segment
@@ -34,18 +35,6 @@ BLOCK = 64 << 10
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
-
-
-def test_host_batch_runs_copies_only_when_waited_for() -> None:
-    engine = HostCopyEngine()
-    batch = engine.begin("cpu")
-    src = np.arange(16, dtype=np.uint8)
-    dst = torch.zeros(16, dtype=torch.uint8)
-    batch.h2d([dst], [src])
-    assert not dst.any()  # queued, not run: reading it now would be the bug
-    batch.finish()
-    assert bytes(dst.numpy()) == bytes(src)
-    assert engine.stats == {"batches": 1, "copies": 1, "syncs": 1, "waits": 1}
 
 
 def test_a_gathered_read_is_one_submission_and_one_wait() -> None:
@@ -87,24 +76,6 @@ def test_an_unregistered_segment_stages_through_a_bounded_ring() -> None:
     assert engine.stats["syncs"] == 1
     for i, out in enumerate(outs):
         assert bytes(out.numpy()) == bytes(segment[i * BLOCK : (i + 1) * BLOCK])
-
-
-def test_a_ring_slot_is_reused_only_after_its_copy() -> None:
-    engine = HostCopyEngine()
-    batch = engine.begin("cpu")
-    ring = StagingRing(engine, slots=1)
-    a, b = torch.empty(4, dtype=torch.uint8), torch.empty(4, dtype=torch.uint8)
-    ring.take(4)[:] = 1
-    ring.upload(batch, a)
-    view = ring.take(4)  # waits for a's copy before the buffer is refilled
-    assert bytes(a.numpy()) == b"\x01" * 4
-    view[:] = 2
-    ring.upload(batch, b)
-    batch.finish()
-    ring.close()
-    assert bytes(b.numpy()) == b"\x02" * 4
-    with pytest.raises(RuntimeError):
-        ring.upload(batch, a)  # nothing taken
 
 
 def test_a_rejected_receive_copies_nothing() -> None:
@@ -156,8 +127,10 @@ class RacingEngine(HostCopyEngine):
         super().__init__()
         self.before_copies = before_copies
 
-    def begin(self, device: object) -> Batch:
-        batch = super().begin(device)
+    def begin(
+        self, device: object, *, after_caller: bool = True, after_slab: bool = False
+    ) -> Batch:
+        batch = super().begin(device, after_caller=after_caller, after_slab=after_slab)
         run = batch._run  # type: ignore[attr-defined]
         hook = self
 

@@ -1,5 +1,5 @@
 """The HBM tier's checksum rule, on the host (issue 31, "The HBM tier"): the tier's own
-code over host memory (``hbm_device="cpu"``, kvstore/tiers/device.py HostEngine), so
+code over host memory (``hbm_device="cpu"``, kvstore/copies/host.py HostCopyEngine), so
 the deferred-hash bookkeeping, the departures and the copy pipeline run here exactly
 as they run on a GPU; tests/gpu/test_tiers_cuda.py runs them on CUDA.
 
@@ -16,17 +16,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
 from kvstore.blocks import HEADER_SIZE, PENDING, BlockHeader, ValueInfo, checksum
 from kvstore.config import NodeConfig
+from kvstore.copies import landing
 from kvstore.errors import CorruptBlock, StorageError
 from kvstore.node.store import StoreNode
 from kvstore.tier_kinds import TierKind
-from kvstore.tiers import device as device_mod
-from kvstore.tiers.device import HostEngine, land_hashed, pieces
 from kvstore.tiers.hashbook import HashBook
 
 MiB = 1 << 20
@@ -101,17 +99,6 @@ def test_a_pending_header_refuses_to_be_packed() -> None:
     assert len(_header(64, 5).pack()) == HEADER_SIZE
 
 
-@pytest.mark.parametrize("nbytes", [4096, 3 * MiB + 17, 16 * MiB])
-@pytest.mark.parametrize("pinned", [True, False])
-def test_a_landing_in_pieces_hashes_what_landed(nbytes: int, pinned: bool) -> None:
-    src = _block(nbytes, nbytes)
-    dst = np.zeros(nbytes, dtype=np.uint8)
-    got = land_hashed(HostEngine(), src, dst, pinned=pinned)
-    assert got == checksum(src.numpy()) and np.array_equal(dst, src.numpy())
-    spans = pieces(nbytes)
-    assert spans[0][0] == 0 and spans[-1][1] == nbytes and len(spans) <= 8
-
-
 # -- the node ---------------------------------------------------------------------------
 
 
@@ -119,7 +106,7 @@ def test_an_hbm_put_hashes_nothing_on_its_thread_and_the_hasher_settles_it(
     node: StoreNode, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     me, calls = threading.get_ident(), []
-    real = device_mod.land_hashed
+    real = landing.land_hashed
 
     def counted(*args: Any, **kw: Any) -> int:
         calls.append(threading.get_ident())

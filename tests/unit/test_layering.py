@@ -19,7 +19,7 @@ LAYERS: list[set[str]] = [
     {"errors", "layout", "keys", "blocks", "tier_kinds", "events", "tenants", "config", "_proto"}
     | {"codec"},  # KV compression: torch-free sizes the layout imports, codecs behind a name
     {"faults"},
-    {"observe", "shm"},
+    {"observe", "shm", "copies"},  # copies: host <-> device, for tiers and client
     {"tiers"},
     {"node", "wire"},
     {"directory"},

@@ -5,8 +5,8 @@ are gathered per device and queued as one submission: the DMA reads them straigh
 the segment, with no host copy and no host hash (the server verified each block's
 xxh3 when it was committed; README.md, "Guarantees"). Everything else (a payload
 arriving on the socket, a segment that could not be registered) lands in a staging ring
-(staging.py) and is copied from there as it arrives, so the host's next receive overlaps
-the previous copy.
+(kvstore/copies/staging.py) and is copied from there as it arrives, so the host's next
+receive overlaps the previous copy.
 
 ``finish`` queues what is gathered and waits once per device batch. The caller decides
 what a block's result is only after it: a direct read's slot check, a lease's expiry
@@ -20,21 +20,19 @@ Not thread-safe: one per call.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from kvstore.client.device.copier import Batch, CopyEngine
-from kvstore.client.device.registry import Registration
-from kvstore.client.device.staging import StagingRing
-from kvstore.errors import DeviceError
+from kvstore.copies.engine import Batch, CopyEngine, Finishing
+from kvstore.copies.registry import Registration
+from kvstore.copies.staging import StagingRing
 
 __all__ = ["DeviceRead"]
 
 
-class DeviceRead:
+class DeviceRead(Finishing):
     """Copies into flat uint8 tensors (``engine.flat(out)``) of one call."""
 
     def __init__(
@@ -53,16 +51,6 @@ class DeviceRead:
         self._gathered: dict[Any, tuple[list[Any], list[np.ndarray]]] = {}
         self.staged_bytes = 0  # bytes that went through staging (host copies or receives)
         self._finished = False
-
-    def __enter__(self) -> DeviceRead:
-        return self
-
-    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
-        if kind is None:
-            self.finish()
-            return
-        with contextlib.suppress(DeviceError):
-            self.finish()
 
     def _batch(self, device: Any) -> Batch:
         batch = self._batches.get(device)

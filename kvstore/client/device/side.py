@@ -4,10 +4,11 @@ that moves them, and the transport's registration of the node's segment.
 A transport asks :meth:`DeviceSide.takes` of a call's outputs (or values) first: only
 when every one is the engine's (a CUDA tensor, for the default engine) does the call take
 a device path; anything else keeps today's host path, untouched (no torch import, one
-attribute check of the first value). The CUDA engine is made on the first CUDA tensor
-and shared by the process (its side streams are pooled per device); the segment is
-registered on the first device call that needs it (registry.py), and released by
-:meth:`close`, which the transport calls before it unmaps the segment.
+attribute check of the first value). The CUDA engine is the process's (kvstore/copies/cuda.py:
+made on the first CUDA tensor, its side streams pooled per device, shared with a node
+in the same process); the segment is registered on the first device call that needs it,
+in the process's registry (kvstore/copies/registry.py), and released by :meth:`close`,
+which the transport calls before it unmaps the segment.
 """
 
 from __future__ import annotations
@@ -18,23 +19,14 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.client.device import is_cuda
-from kvstore.client.device.copier import CopyEngine, CudaCopyEngine
-from kvstore.client.device.registry import HostRegistry, Registration, process_registry
+from kvstore.copies.cuda import process_engine
+from kvstore.copies.engine import CopyEngine, is_cuda
+from kvstore.copies.registry import HostRegistry, Registration, process_registry
 
-__all__ = ["DeviceSide", "process_engine"]
-
-_ENGINE: CopyEngine | None = None
-_ENGINE_LOCK = threading.Lock()
+__all__ = ["DeviceSide"]
 
 
-def process_engine() -> CopyEngine:
-    """The CUDA copy engine of this process (made on first use)."""
-    global _ENGINE
-    with _ENGINE_LOCK:
-        if _ENGINE is None:
-            _ENGINE = CudaCopyEngine()
-        return _ENGINE
+_WHAT = "the client's mapping of the node's segment"
 
 
 class DeviceSide:
@@ -78,7 +70,9 @@ class DeviceSide:
             if self._reg is None and not self._closed:
                 registry = self._registry or process_registry()
                 self._registry = registry
-                self._reg = registry.register(self.segment.ctypes.data, int(self.segment.size))
+                self._reg = registry.register(
+                    self.segment.ctypes.data, int(self.segment.size), _WHAT
+                )
             return self._reg
 
     def close(self) -> None:

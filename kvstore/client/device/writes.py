@@ -10,26 +10,24 @@ hashes item i on the host (the server checks that xxh3 at commit) while item i +
 copy is still running.
 
 Leaving the iteration early (an exception, a break) still waits for every queued copy
-before the extents or staging buffers can be reused (``close``, also on ``with``).
+before the extents or staging buffers can be reused (``finish``, also on leaving ``with``).
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from kvstore.client.device.copier import Batch, Completion, CopyEngine
-from kvstore.client.device.registry import Registration
-from kvstore.client.device.staging import StagingRing
-from kvstore.errors import DeviceError
+from kvstore.copies.engine import Batch, Completion, CopyEngine, Finishing
+from kvstore.copies.registry import Registration
+from kvstore.copies.staging import StagingRing
 
 __all__ = ["DeviceWrite"]
 
 
-class DeviceWrite:
+class DeviceWrite(Finishing):
     """Copies flat uint8 tensors ``srcs`` to the host: into ``segment[offsets[i]:]``
     when ``reg`` is pinned and ``offsets[i]`` is not None, else into staging."""
 
@@ -52,17 +50,7 @@ class DeviceWrite:
         self._ring = StagingRing(engine, slots)
         self._slots = slots
         self._batches: dict[Any, Batch] = {}
-        self._closed = False
-
-    def __enter__(self) -> DeviceWrite:
-        return self
-
-    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
-        if kind is None:
-            self.close()
-            return
-        with contextlib.suppress(DeviceError):
-            self.close()
+        self._finished = False
 
     def _batch(self, device: Any) -> Batch:
         batch = self._batches.get(device)
@@ -116,11 +104,11 @@ class DeviceWrite:
             batch.d2h([dst[lo:hi] for lo, hi in pieces], [src[lo:hi] for lo, hi in pieces])
         return dst, batch.mark()
 
-    def close(self) -> None:
+    def finish(self) -> None:
         """Wait for every queued copy (once per batch); idempotent."""
-        if self._closed:
+        if self._finished:
             return
-        self._closed = True
+        self._finished = True
         first: BaseException | None = None
         for batch in self._batches.values():
             try:

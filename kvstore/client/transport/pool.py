@@ -23,8 +23,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from kvstore._proto import store_pb2 as pb
-from kvstore.client.device.copier import CopyEngine
-from kvstore.client.device.registry import HostRegistry
 from kvstore.client.device.side import DeviceSide
 from kvstore.client.transport.base import Link, Links
 from kvstore.client.transport.conn import DataConn
@@ -33,6 +31,8 @@ from kvstore.client.transport.shm_direct import DirectReader
 from kvstore.client.transport.tcp import SocketTransport, TcpTransport
 from kvstore.client.transport.ucx import UcxTransport
 from kvstore.config import ClientConfig
+from kvstore.copies.engine import CopyEngine
+from kvstore.copies.registry import HostRegistry
 from kvstore.errors import (
     KVStoreError,
     StorageError,

@@ -1,12 +1,12 @@
 """A ring of pinned staging buffers: the host fills (or drains) one while the stream
 copies the others.
 
-Used where a copy cannot DMA from the bytes' own memory: a TCP receive (the socket
-writes into a staging buffer, then one H2D copy; the next block's receive overlaps the
-previous block's copy) and a segment that could not be registered with CUDA (the
-documented fallback of registry.py). A slot is reused only after the event of its last
-copy has completed, so at most ``slots`` buffers are page-locked per call, whatever the
-batch's size.
+Used where a copy cannot DMA from the bytes' own memory: a client's TCP receive (the
+socket writes into a staging buffer, then one H2D copy; the next block's receive
+overlaps the previous block's copy), a put out of device tensors, and a mapping that
+could not be registered with CUDA (the documented fallback of registry.py). A slot is
+reused only after the event of its last copy has completed, so at most ``slots``
+buffers are page-locked per call, whatever the batch's size.
 
 Not thread-safe: a ring belongs to one call.
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.client.device.copier import Batch, Completion, CopyEngine, Staged
+from kvstore.copies.engine import Batch, Completion, CopyEngine, Staged
 
 __all__ = ["StagingRing"]
 

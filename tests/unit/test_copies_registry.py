@@ -1,7 +1,9 @@
-"""The client's CUDA registration of the node's segment (kvstore/client/device/registry.py),
-against a cudart-like object that records its calls: chunks of at most the limit, every
-return code checked, never one range twice, released on the last use, a failure that
-falls back (and says so once)."""
+"""The process's registry of host memory registered with CUDA (kvstore/copies/registry.py:
+the node's DRAM slab and a client's mapping of a segment alike), against a cudart-like
+object that records its calls: chunks of at most the limit, every return code checked,
+never one range twice (whoever registered the first), released on the last use, a
+failure that falls back (and says so once, naming the range's owner) and clears CUDA's
+last error. tests/gpu/test_copies_cuda.py runs it against the real driver."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import logging
 
 import pytest
 
-from kvstore.client.device.registry import MAX_CHUNK, HostRegistry
+from kvstore.copies.registry import MAX_CHUNK, HostRegistry
 from tests.support.cudart import RecordingCudart
 
 
@@ -60,7 +62,7 @@ def test_a_failed_chunk_unregisters_the_others_and_is_said_once(
 ) -> None:
     rt = RecordingCudart(fail_at=2)
     registry = HostRegistry(lambda: rt, chunk=1 << 20)
-    with caplog.at_level(logging.DEBUG, logger="kvstore.client.device.registry"):
+    with caplog.at_level(logging.DEBUG, logger="kvstore.copies.registry"):
         reg = registry.register(1 << 30, 4 << 20)
         assert not reg.pinned and not rt.registered  # chunks 0 and 1 undone
         assert [c[0] for c in rt.calls] == ["register"] * 3 + ["unregister"] * 2
@@ -91,3 +93,40 @@ def test_chunks_are_bounded_by_64_gib() -> None:
     rt = RecordingCudart()
     reg = HostRegistry(lambda: rt).register(1 << 44, MAX_CHUNK * 2 + 1)
     assert reg.pinned and [c[2] for c in rt.calls] == [MAX_CHUNK, MAX_CHUNK, 1]
+
+
+def test_a_node_slab_and_a_client_mapping_share_one_table() -> None:
+    """A process that holds a node and a client registers both in one registry: the
+    client's mapping is its own range, an overlap of the slab is refused before the
+    driver sees it, and the slab's owner is named in the refusal."""
+    rt = RecordingCudart()
+    registry = HostRegistry(lambda: rt, chunk=1 << 20)
+    slab = registry.register(1 << 30, 4 << 20, "the node's DRAM slab")
+    mapping = registry.register(1 << 40, 4 << 20, "the client's mapping")
+    assert slab.pinned and mapping.pinned and registry.live() == 2
+    stray = registry.register((1 << 30) + (1 << 20), 1 << 20, "a stray view")
+    assert not stray.pinned and len(rt.calls) == 8  # the driver never saw the stray
+    registry.release(stray)
+    registry.release(mapping)
+    assert sorted(rt.registered) == [(1 << 30) + i * (1 << 20) for i in range(4)]
+    registry.release(slab)
+    assert not rt.registered and registry.live() == 0
+
+
+class _NamingCudart(RecordingCudart):
+    def cudaGetErrorString(self, err: int) -> str:
+        return {2: "out of memory"}.get(err, "unknown error")
+
+
+def test_a_failure_clears_the_last_error_and_names_it(caplog: pytest.LogCaptureFixture) -> None:
+    rt = _NamingCudart(fail_at=1)
+    cleared: list[int] = []
+    registry = HostRegistry(lambda: rt, chunk=1 << 20, clear=lambda: cleared.append(1))
+    with caplog.at_level(logging.WARNING, logger="kvstore.copies.registry"):
+        reg = registry.register(1 << 30, 2 << 20, "the node's DRAM slab x")
+    assert not reg.pinned and cleared == [1]  # once, after the failed call
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert "the node's DRAM slab x" in message and "out of memory (2)" in message
+    ok = registry.register(1 << 40, 1 << 20)
+    assert ok.pinned and cleared == [1]  # a success clears nothing
