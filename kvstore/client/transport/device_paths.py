@@ -11,9 +11,12 @@
   buffer, hashed as it arrives, and copied to the device only if its xxh3 matches; the
   next receive overlaps that copy. A mismatch is a miss and the tensor is never reported
   filled.
-- Puts (:func:`copy_in_device`, :func:`stage_values`): device-to-host into the reserved
-  extent, or into pinned staging, on a side stream after the producer's stream; each
-  item is hashed on the host while the next one's copy runs.
+- Puts (:func:`copy_in_device`, :func:`staged_puts`, :func:`stage_values`):
+  device-to-host into the reserved extent, or into a ring of pinned staging buffers,
+  on a side stream after the producer's stream; each item is hashed on the host (and,
+  over TCP, sent) while the next ones' copies run. Only a put that must hold every
+  payload before or during its whole send (a checksum-first PUT, UCX's sends that
+  are not waited for) stages the batch at once (:func:`stage_values`).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from kvstore.errors import KVStoreError, TimeoutError_, TransportError
 from kvstore.observe.counters import NodeCounters
 
 __all__ = [
+    "PUT_SLOTS",
     "DeviceTarget",
     "copy_in_device",
     "direct_into_device",
@@ -45,6 +49,7 @@ __all__ = [
     "leased_into_device",
     "receive_device",
     "stage_values",
+    "staged_puts",
 ]
 
 log = logging.getLogger(__name__)
@@ -231,9 +236,34 @@ def copy_in_device(
                 yield j, copy_hashed(dst, view)
 
 
+PUT_SLOTS = 4
+"""Pinned staging buffers one TCP put from device tensors holds: while item i is hashed
+and sent, the copies of items i + 1 .. i + 3 run."""
+
+
+def staged_puts(
+    side: DeviceSide, items: Sequence[Outgoing], slots: int = PUT_SLOTS
+) -> Generator[tuple[Outgoing, memoryview], None, None]:
+    """The device items' bytes, item by item in order, each once its device-to-host copy
+    into a ring of ``slots`` pinned staging buffers is done (DeviceWrite, the same
+    pipeline a same-host put runs into its extents). The bytes are valid until the next
+    item is asked for: send them (a socket send has copied them when it returns) before
+    asking, and the copy of item i + ``slots`` is queued into item i's buffer only
+    then. Close the generator on every path out (the caller's ``finally``): that waits
+    for the copies still queued, so no copy is in flight into a buffer let go."""
+    engine = side.engine
+    srcs = [engine.flat(it.device) for it in items]
+    with DeviceWrite(engine, srcs, [None] * len(srcs), slots=slots) as writes:
+        for j, view, _ in writes.items():
+            yield items[j], memoryview(view)  # type: ignore[arg-type]
+
+
 def stage_values(side: DeviceSide, items: Sequence[Outgoing], hashed: bool) -> None:
-    """Give device items host bytes to send: copied into pinned staging as one batch
-    (after the producer's stream), each hashed (``hashed``) while the next copies."""
+    """Give device items host bytes to send, all at once: copied into pinned staging as
+    one batch (after the producer's stream), each hashed (``hashed``) while the next
+    copies. For the puts that need every payload's bytes until the whole frame is
+    sent (a checksum-first PUT; UCX, whose sends are not waited for); the others
+    stream through :func:`staged_puts`."""
     todo = [it for it in items if it.device is not None]
     if not todo:
         return

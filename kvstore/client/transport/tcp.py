@@ -7,7 +7,10 @@ buffers.py) and checked against the header's xxh3, computed while the rest of th
 payload is still arriving (the receive polls rather than sleeps: see frames.py). A
 write is one PUT frame whose payloads are sent from the values' own memory (no staging
 copy); the server receives them into reserved slab extents and the node verifies each
-against the xxh3 computed here.
+against the xxh3 computed here. Device tensors (device_paths.py) are the exception both
+ways: a read lands each payload in pinned staging and copies it to the device only if
+its xxh3 matches; a put copies each payload device-to-host into a ring of pinned
+staging buffers, sending item i while the next ones copy.
 """
 
 from __future__ import annotations
@@ -23,7 +26,12 @@ from kvstore.client.device.side import DeviceSide
 from kvstore.client.transport.base import LayerSink, Transport
 from kvstore.client.transport.buffers import Outgoing, prepare_writes
 from kvstore.client.transport.conn import DataConn
-from kvstore.client.transport.device_paths import lander, receive_device, stage_values
+from kvstore.client.transport.device_paths import (
+    lander,
+    receive_device,
+    stage_values,
+    staged_puts,
+)
 from kvstore.client.transport.inbound import (
     Inbound,
     miss,
@@ -137,7 +145,8 @@ class TcpTransport(SocketTransport):
         # the payload while this thread hashes), so it is hashed first there
         if conn.info.put_sums_follow and (len(keys) > 1 or not conn.on_ucx):
             items = prepare_writes(keys, values, results, limit, hashed=False, on_device=dev)
-            stage_values(self.device, items, hashed=False)
+            if dev is not None and conn.on_ucx:  # its sends are not waited for: all staged
+                stage_values(self.device, items, hashed=False)
             if items:
                 self._send_hashing(conn, items, scope, deadline)
                 resp = conn.read_reply(Op.PUT, pb.PutResponse, deadline)
@@ -173,9 +182,8 @@ class TcpTransport(SocketTransport):
         conn.send_only(Op.PUT, req, deadline, [], total)
         return _StreamedPut(conn, len(keys))
 
-    @staticmethod
     def _send_hashing(
-        conn: DataConn, items: list[Outgoing], scope: pb.Scope, deadline: float
+        self, conn: DataConn, items: list[Outgoing], scope: pb.Scope, deadline: float
     ) -> None:
         """PUT with each payload's xxh3 sent after it (PutRequest.sums_follow), so that
         no hash delays the first byte and the server checks each item against its own
@@ -185,21 +193,21 @@ class TcpTransport(SocketTransport):
         cache) right after it is handed to the kernel, while the server receives it.
         A single put used to hash its payload first, and a batch hashed each whole
         payload after sending it. Pieces beat both (benchmarks/RESULTS.md, "pieces
-        hashed while they travel")."""
+        hashed while they travel").
+
+        Device values (on a socket) go through a ring of pinned staging buffers: item
+        i is hashed and sent while the copies of the next ones run (_send_staged)."""
         req = pb.PutRequest(scope=scope, sums_follow=True)
         for it in items:
             req.items.add(key=it.key, meta=meta_of(it.info))
         total = sum(it.info.nbytes + SUM_TRAILER.size for it in items)
         if not conn.on_ucx:
             conn.send_only(Op.PUT, req, deadline, [], total)
+            if items[0].device is not None:
+                _send_staged(conn, self.device, items)
+                return
             for it in items:
-                data = it.data  # flat uint8 (host_bytes)
-                digest = checksum_stream()
-                for at in range(0, data.nbytes, _PIECE):
-                    piece = data[at : at + _PIECE]
-                    conn.send_more([piece])
-                    digest.update(piece)
-                it.sum = digest.intdigest()
+                it.sum = _send_pieces(conn, it.data)  # flat uint8 (host_bytes)
                 conn.send_more([SUM_TRAILER.pack(it.sum)])
             return
         # over UCX a payload's send is not waited for (its receiver pulls it while this
@@ -211,6 +219,36 @@ class TcpTransport(SocketTransport):
             if i + 1 < len(items):
                 after.append(items[i + 1].data)
             conn.send_more(after, wait=False)
+
+
+def _send_pieces(conn: DataConn, data: Any) -> int:
+    """Send flat bytes ``data`` in pieces of ``_PIECE`` bytes, each hashed (from cache)
+    right after it is handed to the kernel, while the server receives it; its xxh3."""
+    digest = checksum_stream()
+    for at in range(0, data.nbytes, _PIECE):
+        piece = data[at : at + _PIECE]
+        conn.send_more([piece])
+        digest.update(piece)
+    return int(digest.intdigest())
+
+
+def _send_staged(conn: DataConn, side: DeviceSide, items: list[Outgoing]) -> None:
+    """The payloads (and trailing sums) of device items, each out of the pinned staging
+    ring as its copy completes (device_paths.staged_puts): item i is hashed and sent
+    while the copies of items i + 1 .. i + ring - 1 run, and its buffer takes another
+    copy only once its send has returned. A failure after the frame's header went (a
+    device error mid-batch) leaves the frame cut short: the connection goes, and the
+    server, its stream ended early, releases every reservation."""
+    staged = staged_puts(side, items)
+    try:
+        for it, data in staged:
+            it.sum = _send_pieces(conn, data)
+            conn.send_more([SUM_TRAILER.pack(it.sum)])
+    except BaseException:
+        conn.fs.broken = True
+        raise
+    finally:
+        staged.close()  # waits for the copies still queued into the ring
 
 
 class _StreamedPut(LayerSink):
