@@ -2,18 +2,22 @@
 same-host reads DMA from the registered segment into CUDA tensors (no host hash, no
 staging), TCP reads land through pinned staging, puts copy device-to-host into the
 reserved extents; a block rewritten during a read and a segment the driver refuses to
-register still give exact bytes. Skipped without a CUDA device (tests/conftest.py).
-tests/service/test_device_paths.py runs the same checks on CPU with the host engine."""
+register still give exact bytes; over TCP a payload corrupted on the way is a miss that
+never lands, and a put streams through a bounded ring of pinned buffers. Skipped
+without a CUDA device (tests/conftest.py). tests/service/test_device_paths.py and
+tests/service/test_device_tcp.py run the same checks on CPU with the host engine."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from kvstore import StoreClient
 from kvstore.copies.cuda import process_engine
 from tests.support import device_checks as checks
+from tests.support import device_wire as wire
 from tests.support.server_process import ServerProcess
 
 pytest_plugins = ["tests.support.server_fixtures"]
@@ -70,3 +74,46 @@ def test_a_failed_registration_stages_exact_bytes_cuda(
     store_server: ServerProcess, transport: str
 ) -> None:
     checks.check_a_failed_registration_stages(store_server, transport, "cuda", None)
+
+
+def test_a_corrupt_tcp_payload_is_a_miss_and_never_lands_in_cuda() -> None:
+    """A batch read over TCP into CUDA tensors whose third payload is corrupted on the
+    way: that block is a miss and its tensor keeps what it held; the others are hits
+    with exact bytes (tests/support/device_wire.py, the same check the CPU run makes)."""
+    before = process_engine().stats["batches"]
+    wire.check_corrupt_payloads_are_misses(None, "cuda")
+    assert process_engine().stats["batches"] > before  # the CUDA engine landed them
+
+
+def test_a_tcp_put_from_cuda_streams_through_the_staging_ring(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ten 1.25 MiB CUDA tensors, filled on a producer stream behind a long kernel, put
+    over TCP: the copies wait for the producer (exact bytes at the peer), and at most
+    a ring of pinned staging buffers is allocated, not one per value."""
+    import torch
+
+    from kvstore.client.transport.device_paths import PUT_SLOTS
+    from kvstore.copies.cuda import CudaCopyEngine
+
+    allocated: list[int] = []
+    staging = CudaCopyEngine.staging
+
+    def counted(self: CudaCopyEngine, n: int) -> Any:
+        allocated.append(n)
+        return staging(self, n)
+
+    monkeypatch.setattr(CudaCopyEngine, "staging", counted)
+    g = torch.Generator().manual_seed(31)
+    host = [torch.randn((5, 128, 1024), generator=g).to(torch.bfloat16) for _ in range(10)]
+    src = [h.to("cuda") for h in host]
+    torch.cuda.synchronize()
+    producer = torch.cuda.Stream()
+    with wire.device_tcp(None) as (transport, conn, peer), torch.cuda.stream(producer):
+        values = [torch.empty_like(s) for s in src]
+        torch.cuda._sleep(50_000_000)  # the fills land well after the put is enqueued
+        for v, s in zip(values, src, strict=True):
+            v.copy_(s)
+        expect = [wire.raw(h) for h in host]
+        wire.check_put_bytes_at_the_peer(transport, conn, peer, values, expect)
+    assert 0 < len(allocated) <= PUT_SLOTS
