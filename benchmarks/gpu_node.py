@@ -14,6 +14,10 @@ DRAM tier put from a CUDA tensor           a pinned D2H copy                   >
 DRAM tier get_into a CUDA tensor           a pinned H2D copy                   (0.58-0.84 before)
 ========================================== =================================== ======
 
+Each measure also has a *batch* row: the round's blocks in one ``batch_put`` /
+``batch_get_into`` call (one submission of copies, one wait, kvstore/node/batches.py),
+synchronized once per round, against the same anchor timed per block.
+
 The DRAM tier's slab is registered with CUDA (the row says when registration failed
 and the pinned-staging fallback was measured instead). An HBM put's checksum is taken
 off the critical path by the tier's background hasher; the rounds pause for it
@@ -130,16 +134,24 @@ def _hbm_size(mib: float, blocks: int, repeats: int, device: str) -> list[Row]:
         for k, s in zip(keys, src, strict=True):
             node.put(k, s)
         ours = _gbps(nbytes, lambda i: node.get_into(keys[i], outs[i]), blocks, device, repeats)
+        batch_get = _batched(
+            nbytes * blocks, lambda: node.batch_get_into(keys, outs), device, repeats
+        )
         d2d = _gbps(nbytes, lambda i: outs[i].copy_(src[i]), blocks, device, repeats)
-        rates = []
+        rates, batch_rates = [], []
         for r in range(repeats):  # puts of fresh keys; the hasher catches up between rounds
             fresh = _keys(100 + r, blocks)
             node.settle_checksums(30.0)
             rates.append(_round(nbytes, fresh, src, node.put, device))
             node.remove(fresh)
+            node.settle_checksums(30.0)
+            batch_rates.append(_batch_round(nbytes, fresh, src, node.batch_put, device))
+            node.remove(fresh)
     return [
         Row("HBM get_into", "D2D copy", mib, ours, d2d),
+        Row("HBM batch_get_into", "D2D copy", mib, batch_get, d2d),
         Row("HBM put", "D2D copy", mib, statistics.median(rates), d2d),
+        Row("HBM batch_put", "D2D copy", mib, statistics.median(batch_rates), d2d),
     ]
 
 
@@ -152,6 +164,37 @@ def _round(
         put(k, s)
         _sync(device)
     return len(keys) * nbytes / (time.perf_counter() - t0) / 1e9
+
+
+def _batch_round(
+    nbytes: int,
+    keys: list[bytes],
+    src: list[torch.Tensor],
+    batch_put: Callable[..., Any],
+    device: str,
+) -> float:
+    """GB/s of one round of puts as one batch_put, synchronized once."""
+    t0 = time.perf_counter()
+    got = batch_put(keys, src)
+    _sync(device)
+    rate = len(keys) * nbytes / (time.perf_counter() - t0) / 1e9
+    if got != [True] * len(keys):
+        raise RuntimeError(f"batch_put: {got}")
+    return rate
+
+
+def _batched(total: int, op: Callable[[], Any], device: str, repeats: int) -> float:
+    """Median GB/s of ``repeats`` calls of ``op`` moving ``total`` bytes each, each
+    synchronized once, after one untimed call."""
+    op()
+    _sync(device)
+    rates = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        op()
+        _sync(device)
+        rates.append(total / (time.perf_counter() - t0) / 1e9)
+    return statistics.median(rates)
 
 
 def dram_rows(
@@ -170,7 +213,7 @@ def dram_rows(
 
 def _dram_size(mib: float, blocks: int, repeats: int, device: str) -> list[Row]:
     nbytes = int(mib * MiB)
-    cap = (repeats + 2) * blocks * (nbytes + 4096) + MiB
+    cap = (2 * repeats + 2) * blocks * (nbytes + 4096) + MiB
     with StoreNode(NodeConfig(dram_bytes=cap, shm_name="")) as node:
         registered = node._tiers[0].registered  # the tier's own flag, for the row's note
         note = "" if registered or device == "cpu" else "unregistered: pinned staging"
@@ -180,17 +223,33 @@ def _dram_size(mib: float, blocks: int, repeats: int, device: str) -> list[Row]:
         rounds = [
             _round(nbytes, _keys(200 + r, blocks), src, node.put, device) for r in range(repeats)
         ]
+        batch_rounds = [
+            _batch_round(nbytes, _keys(300 + r, blocks), src, node.batch_put, device)
+            for r in range(repeats)
+        ]
         d2h = _gbps(
             nbytes, lambda i: pinned.copy_(src[i], non_blocking=True), blocks, device, repeats
         )
         keys = _keys(200, blocks)
         ours = _gbps(nbytes, lambda i: node.get_into(keys[i], outs[i]), blocks, device, repeats)
+        batch_get = _batched(
+            nbytes * blocks, lambda: node.batch_get_into(keys, outs), device, repeats
+        )
         h2d = _gbps(
             nbytes, lambda i: outs[i].copy_(pinned, non_blocking=True), blocks, device, repeats
         )
     return [
         Row("DRAM put from CUDA", "pinned D2H", mib, statistics.median(rounds), d2h, note),
+        Row(
+            "DRAM batch_put from CUDA",
+            "pinned D2H",
+            mib,
+            statistics.median(batch_rounds),
+            d2h,
+            note,
+        ),
         Row("DRAM get_into CUDA", "pinned H2D", mib, ours, h2d, note),
+        Row("DRAM batch_get_into CUDA", "pinned H2D", mib, batch_get, h2d, note),
     ]
 
 

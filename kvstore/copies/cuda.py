@@ -81,6 +81,9 @@ class _CudaBatch(Batch):
     def d2h(self, dsts: Sequence[Any], srcs: Sequence[Any]) -> None:
         self._copy([self._host(d) for d in dsts], srcs)
 
+    def d2d(self, dsts: Sequence[Any], srcs: Sequence[Any]) -> None:
+        self._copy(dsts, srcs)
+
     def _host(self, buf: Any) -> Any:
         return self._torch.from_numpy(buf) if isinstance(buf, np.ndarray) else buf
 

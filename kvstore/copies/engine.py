@@ -42,7 +42,7 @@ import numpy as np
 
 from kvstore.errors import DeviceError
 
-__all__ = ["Batch", "Completion", "CopyEngine", "Finishing", "Staged", "is_cuda"]
+__all__ = ["Batch", "Batches", "Completion", "CopyEngine", "Finishing", "Staged", "is_cuda"]
 
 
 def is_cuda(value: Any) -> bool:
@@ -113,6 +113,11 @@ class Batch(Finishing):
         """Queue copies of flat uint8 tensors ``srcs`` into host buffers ``dsts``."""
 
     @abstractmethod
+    def d2d(self, dsts: Sequence[Any], srcs: Sequence[Any]) -> None:
+        """Queue copies of flat uint8 device tensors ``srcs`` into ``dsts`` (a device
+        slab's puts and in-device reads)."""
+
+    @abstractmethod
     def mark(self) -> Completion:
         """An event after every copy queued so far."""
 
@@ -131,6 +136,47 @@ class Batch(Finishing):
 
     def _release(self) -> None:
         """Give the batch's stream back (nothing for the host engine)."""
+
+
+class Batches(Finishing):
+    """One call's batches: one per (engine, device), begun on first use, each ordered
+    after the caller's stream and, with ``after_slab``, the engine's ordered stream
+    (bytes an ordered write put into a slab may still be in flight there; a place an
+    ordered read was copying out of may be reused by this call). :meth:`finish` waits
+    once for each batch. ``keep`` holds what the copies read or write (a staging
+    buffer) until then."""
+
+    def __init__(self, *, after_slab: bool = False) -> None:
+        self._after_slab = after_slab
+        self._open: dict[tuple[int, str], Batch] = {}
+        self._kept: list[Any] = []
+
+    def on(self, engine: CopyEngine, device: Any) -> Batch:
+        """The call's batch of ``engine`` on ``device``."""
+        key = (id(engine), str(device))
+        batch = self._open.get(key)
+        if batch is None:
+            batch = engine.begin(device, after_slab=self._after_slab)
+            self._open[key] = batch
+        return batch
+
+    def keep(self, buf: Any) -> None:
+        """Keep ``buf`` alive until the batches finish."""
+        self._kept.append(buf)
+
+    def finish(self) -> None:
+        """Wait once for each batch (all of them, also when one fails: then the first
+        failure is raised); idempotent."""
+        open_, self._open = list(self._open.values()), {}
+        first: BaseException | None = None
+        for batch in open_:
+            try:
+                batch.finish()
+            except BaseException as exc:
+                first = first or exc
+        self._kept = []
+        if first is not None:
+            raise first
 
 
 class CopyEngine(ABC):

@@ -78,6 +78,9 @@ class _HostBatch(Batch):
     def d2h(self, dsts: Sequence[Any], srcs: Sequence[Any]) -> None:
         self._add(dsts, srcs)
 
+    def d2d(self, dsts: Sequence[Any], srcs: Sequence[Any]) -> None:
+        self._add(dsts, srcs)
+
     def mark(self) -> Completion:
         return _HostCompletion(self, len(self._queue))
 

@@ -27,6 +27,7 @@ from kvstore.config import NodeConfig
 from kvstore.errors import ClosedError, CorruptBlock, KVStoreError
 from kvstore.events import BlockEvent, EventQueue
 from kvstore.keys import BlockKey, Namespace, as_key
+from kvstore.node.batches import get_all, put_all
 from kvstore.node.budgets import Budget, Usage
 from kvstore.node.eviction import BlockFilter, EvictResult
 from kvstore.node.index import BlockIndex
@@ -291,16 +292,13 @@ class StoreNode:
     def batch_put(
         self, keys: Sequence[bytes], values: Sequence[Any], *, namespace: Namespace | None = None
     ) -> list[bool | KVStoreError]:
-        """Put each pair; each item reports its own outcome (True, False, or the error)."""
+        """Put each pair; each item reports its own outcome (True, False, or the error).
+        Device tensors are copied as one submission with one wait (batches.py)."""
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
-        out: list[bool | KVStoreError] = []
-        for k, v in zip(keys, values, strict=True):
-            try:
-                out.append(self.put(k, v, namespace=namespace))
-            except KVStoreError as exc:
-                out.append(exc)
-        return out
+        if self._closed:  # each item's outcome, as put reports it
+            return [ClosedError("store node is closed") for _ in keys]
+        return put_all(self._writes, keys, values, namespace)
 
     # -- reads -------------------------------------------------------------------------------
 
@@ -372,15 +370,16 @@ class StoreNode:
         ``out`` must have the stored dtype and byte size (LayoutMismatch otherwise).
         """
         with self.pin(key, namespace=namespace) as blk:
-            if blk is None:
-                return False
-            try:
-                blk._bytes.copy_to(blk.header, out)  # one call less than blk.copy_to
-            except CorruptBlock:  # device bytes that failed their checksum leaving
-                self._lost(blk)
-                return False
-            self.counters.inc("bytes_out", blk.header.payload_len)
-            return True
+            return False if blk is None else self._copy_pinned(blk, out)
+
+    def _copy_pinned(self, blk: BlockRead, out: Any) -> bool:
+        try:
+            blk._bytes.copy_to(blk.header, out)  # one call less than blk.copy_to
+        except CorruptBlock:  # device bytes that failed their checksum leaving
+            self._lost(blk)
+            return False
+        self.counters.inc("bytes_out", blk.header.payload_len)
+        return True
 
     def get(self, key: bytes, *, namespace: Namespace | None = None) -> Any:
         """A fresh copy of a block, of the kind that was stored; None on a miss."""
@@ -397,16 +396,19 @@ class StoreNode:
     def batch_get_into(
         self, keys: Sequence[bytes], outs: Sequence[Any], *, namespace: Namespace | None = None
     ) -> list[bool | KVStoreError]:
-        """get_into for each pair; per-key results (True hit, False miss, or the error)."""
+        """get_into for each pair; per-key results (True hit, False miss, or the error).
+        Copies into device tensors are one submission with one wait, each block pinned
+        until it (batches.py)."""
         if len(keys) != len(outs):
             raise ValueError(f"{len(keys)} keys but {len(outs)} outputs")
-        res: list[bool | KVStoreError] = []
-        for k, o in zip(keys, outs, strict=True):
-            try:
-                res.append(self.get_into(k, o, namespace=namespace))
-            except KVStoreError as exc:
-                res.append(exc)
-        return res
+
+        def open_read(key: bytes) -> BlockRead | None:
+            return self.open_read(key, namespace=namespace)
+
+        def counted(n: int) -> None:
+            self.counters.inc("bytes_out", n)
+
+        return get_all(keys, outs, open_read, self._copy_pinned, self.close_read, counted)
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key is stored (any tier). Does not count as a hit."""

@@ -17,6 +17,12 @@ copied and hashed on the way, their checksum checked, or taken for the first tim
 when the put deferred it (kvstore/tiers/hashbook.py, the rule). Every path that sends
 a block's bytes off the node, or into another tier, takes them from ``land``.
 
+A batch of device values (StoreNode.batch_put / batch_get_into) is one submission:
+:meth:`Payload.queue_write` and :meth:`Payload.queue_copy_to` queue a payload's copies
+on a call's batches (kvstore/copies/engine.py ``Batches``) instead of copying at once,
+and the call waits once; a payload that cannot queue a value says so and is copied at
+once as before.
+
 Concurrency: tiers do no locking for the node. Space (``allocate``/``release``) is
 asked for under the node's index lock; bytes move outside it, on a place that a pin
 or a reservation keeps alive (kvstore/node/state.py).
@@ -25,17 +31,45 @@ or a reservation keeps alive (kvstore/node/state.py).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
 from kvstore.blocks import BlockHeader, checksum, copy_payload, host_bytes
+from kvstore.copies.engine import Batches
+from kvstore.copies.landing import Pinned
 from kvstore.tier_kinds import TierKind
 
-__all__ = ["NO_PLACE", "HostPayload", "Payload", "Tier", "TierKind"]  # TierKind: tiers' names
+__all__ = [
+    "NO_PLACE",
+    "HostPayload",
+    "Payload",
+    "Pending",
+    "Tier",
+    "TierKind",
+]  # TierKind: tiers' names
 
 NO_PLACE = -1  # the place of a block in a tier that finds its blocks by key
+
+
+class Pending:
+    """A write queued on a call's batches (:meth:`Payload.queue_write`). ``own``: the
+    copy has an event of its own, and :meth:`landed` waits for it and returns the xxh3
+    taken from the host bytes as they landed (the commit's landed checksum), so the
+    reservation may be committed before the batch's later copies finish; otherwise the
+    write is done only once the call's batches finish, and :meth:`landed` returns None
+    (the tier takes the checksum later)."""
+
+    __slots__ = ("_landed", "own")
+
+    def __init__(self, landed: Callable[[], int] | None = None) -> None:
+        self._landed = landed
+        self.own = landed is not None
+
+    def landed(self) -> int | None:
+        """See the class docstring (DeviceError when the copy failed)."""
+        return None if self._landed is None else self._landed()
 
 
 class Payload(ABC):
@@ -66,13 +100,15 @@ class Payload(ABC):
         checked as :meth:`land` checks them (CorruptBlock)."""
 
     def land(
-        self, header: BlockHeader, into: np.ndarray | None = None, *, pinned: bool = False
+        self, header: BlockHeader, into: np.ndarray | None = None, *, pinned: Pinned = False
     ) -> tuple[BlockHeader, np.ndarray]:
         """The payload's bytes in host memory, as they leave this tier, with the header
-        that vouches for them: copied into ``into`` when given (``pinned``: it is
-        page-locked memory), else where they lie (host bytes) or in a buffer of their
-        own. Host bytes are trusted as memory is; a device payload overrides this to
-        hash the bytes as they land and check or settle the checksum (CorruptBlock)."""
+        that vouches for them: copied into ``into`` when given (``pinned``: how it is
+        page-locked, kvstore/copies/landing.py: the Registration it lies in, so device
+        copies into it are cut at registered chunks' boundaries), else where they lie
+        (host bytes) or in a buffer of their own. Host bytes are trusted as memory is;
+        a device payload overrides this to hash the bytes as they land and check or
+        settle the checksum (CorruptBlock)."""
         src = self.host()
         if into is None:
             return header, src
@@ -91,6 +127,19 @@ class Payload(ABC):
         """Copy a whole value in (tensor, array, bytes, or another tier's Payload).
         Returns the xxh3 of the bytes written when the copy computed it on the way
         (a device value landing in host memory), else None."""
+
+    def queue_write(self, value: Any, batches: Batches) -> Pending | None:
+        """Queue a copy of the whole ``value`` on ``batches`` instead of copying it at
+        once: the pending write, or None when this payload copies ``value`` only with
+        :meth:`write` (a host value, a tier without device copies)."""
+        return None
+
+    def queue_copy_to(self, header: BlockHeader, out: Any, batches: Batches) -> bool:
+        """Queue the copy into ``out`` on ``batches`` (done once they finish; the block
+        stays pinned until then); False when ``out`` is copied only by :meth:`copy_to`
+        (a host buffer, a departure that must be checked as it lands). LayoutMismatch
+        as :meth:`copy_to`."""
+        return False
 
     @abstractmethod
     def flush(self) -> None:

@@ -17,7 +17,14 @@ demotion, a network read, a copy into a host buffer) copies the bytes to host me
 and hashes them as they land, and checks them against the checksum known, so a block
 never leaves the GPU unhashed, and a device byte corrupted after the first checksum
 is caught as it leaves (CorruptBlock: the node drops the block and answers a miss).
-In-device reads (get_into a device tensor) are not checked, as DRAM reads are not.
+In-device reads (get_into a tensor on the slab's device) are not checked, as DRAM
+reads are not.
+
+A batch of puts or reads (StoreNode.batch_put / batch_get_into) queues its D2D copies
+on the call's side-stream batch instead, ordered after the caller's stream and the
+ordered stream (so after any ordered write still in flight, and after any ordered read
+of a place since reused), and the call waits once before it commits (puts: still with
+the checksum pending) or unpins (reads).
 
 Headers are not written to the device: a block's header lives in the node's index,
 and 128 bytes copied to the device per put would be a synchronizing copy as long as
@@ -33,10 +40,10 @@ import numpy as np
 
 from kvstore.blocks import HEADER_SIZE, BlockHeader, checksum, host_bytes, out_view
 from kvstore.copies.cuda import CudaCopyEngine, engine_for
-from kvstore.copies.engine import CopyEngine, Staged
-from kvstore.copies.landing import land_hashed
+from kvstore.copies.engine import Batches, CopyEngine, Staged
+from kvstore.copies.landing import Pinned, land_hashed
 from kvstore.errors import ConfigError
-from kvstore.tiers.base import Payload
+from kvstore.tiers.base import Payload, Pending
 from kvstore.tiers.hashbook import HashBook, Hasher
 
 __all__ = ["DevicePayload", "DeviceSlab"]
@@ -76,7 +83,7 @@ class DeviceSlab:
         self.book.forget(place)
 
     def land(
-        self, place: int, t: Any, header: BlockHeader, into: np.ndarray | None, pinned: bool
+        self, place: int, t: Any, header: BlockHeader, into: np.ndarray | None, pinned: Pinned
     ) -> tuple[BlockHeader, np.ndarray]:
         """The departure of the block at ``place`` (see the module docstring)."""
         if into is None:
@@ -92,7 +99,7 @@ class DeviceSlab:
     def hash_view(self, t: Any) -> int:
         return self._land(t, self.engine.staging(int(t.numel())).view, True)
 
-    def _land(self, t: Any, into: np.ndarray, pinned: bool) -> int:
+    def _land(self, t: Any, into: np.ndarray, pinned: Pinned) -> int:
         # after the slab's ordered stream (the put that wrote the bytes), not the
         # caller's: a departure or the hasher never waits for the caller's compute
         return land_hashed(self.engine, t, into, pinned=pinned, after_caller=False, after_slab=True)
@@ -126,15 +133,29 @@ class DevicePayload(Payload):
             batch.d2h([buf.part(self.nbytes)], [self._t])
         return np.asarray(buf.view[: self.nbytes])
 
+    def _beside(self, out: Any) -> bool:
+        """Whether ``out`` is a tensor on the slab's own device (an in-device read; a
+        CPU tensor is one for a slab over host memory, ``hbm_device="cpu"``)."""
+        return hasattr(out, "untyped_storage") and out.device == self._t.device
+
     def copy_to(self, header: BlockHeader, out: Any) -> None:
         dst = out_view(header, out)
-        if isinstance(dst, np.ndarray):  # into host memory: the block leaves the device
+        beside = self._beside(out)
+        if isinstance(dst, np.ndarray) and not beside:  # the block leaves the device
             self.land(header, dst)
             return
-        self._slab.engine.read(dst, self._t)
+        self._slab.engine.read(CopyEngine.flat(out) if beside else dst, self._t)
+
+    def queue_copy_to(self, header: BlockHeader, out: Any, batches: Batches) -> bool:
+        """An in-device read: one D2D copy on the call's batch."""
+        if not self._beside(out):
+            return False
+        out_view(header, out)  # the layout check
+        batches.on(self._slab.engine, self._t.device).d2d([CopyEngine.flat(out)], [self._t])
+        return True
 
     def land(
-        self, header: BlockHeader, into: np.ndarray | None = None, *, pinned: bool = False
+        self, header: BlockHeader, into: np.ndarray | None = None, *, pinned: Pinned = False
     ) -> tuple[BlockHeader, np.ndarray]:
         return self._slab.land(self._place, self._t, header, into, pinned)
 
@@ -165,6 +186,18 @@ class DevicePayload(Payload):
             engine.write(self._t, src)
         self.defers_checksum = True
         return None
+
+    def queue_write(self, value: Any, batches: Batches) -> Pending | None:
+        """A tensor the slab's engine claims: one D2D copy on the call's batch, done when
+        the batch finishes; its checksum is deferred (the module docstring)."""
+        engine = self._slab.engine
+        if isinstance(value, Payload) or not engine.claims(value):
+            return None
+        src = CopyEngine.flat(value.detach())
+        batches.on(engine, self._t.device).d2d([self._t], [src])
+        self._staging = None
+        self.defers_checksum = True
+        return Pending()
 
     def flush(self) -> None:
         if self._staging is not None:

@@ -10,9 +10,12 @@ CUDA exists it is also registered with CUDA (the process's registry,
 kvstore/copies/registry.py: in chunks, every return code checked), so a CUDA tensor is
 put with D2H copies straight into its extent, on a side stream ordered after the
 producer's, hashed on the host piece by piece as the pieces land, and read with one H2D
-copy straight out of it (kvstore/copies/landing.py); when registration fails, both go
-through pinned staging, said once in the log. HBM is one device ``uint8`` tensor
-(kvstore/tiers/hbm.py: D2D puts and reads, checksums off the critical path). Both are
+copy straight out of it (kvstore/copies/landing.py), every straight copy cut where it
+crosses a registered chunk's boundary; when registration fails, both go through pinned
+staging, said once in the log. In a batch (StoreNode.batch_put / batch_get_into) each
+block's copy is queued on the call's batch instead: one submission, one wait. HBM is
+one device ``uint8`` tensor (kvstore/tiers/hbm.py: D2D puts and reads, checksums off
+the critical path). Both are
 touched page by page at start: fresh pages fault on first touch at a fraction of memcpy
 speed, and that cost belongs to start-up, not to the first requests.
 
@@ -35,14 +38,14 @@ import numpy as np
 
 from kvstore.blocks import HEADER_SIZE, BlockHeader, out_view
 from kvstore.copies.cuda import engine_for
-from kvstore.copies.engine import CopyEngine
-from kvstore.copies.landing import land_hashed, lift
-from kvstore.copies.registry import Registration, process_registry
+from kvstore.copies.engine import Batches, CopyEngine
+from kvstore.copies.landing import Pinned, arrive, depart, land_hashed, lift
+from kvstore.copies.registry import HostRegistry, Registration, process_registry
 from kvstore.errors import ClosedError, ConfigError
 from kvstore.shm.segment import SHM_DIR, hold_segment, map_segment, owned_name, sweep_stale
 from kvstore.tier_kinds import TierKind
 from kvstore.tiers.alloc import ExtentAllocator
-from kvstore.tiers.base import HostPayload, Payload, Tier
+from kvstore.tiers.base import HostPayload, Payload, Pending, Tier
 from kvstore.tiers.hbm import DevicePayload, DeviceSlab
 
 _PAGE = mmap.PAGESIZE
@@ -74,7 +77,7 @@ class MemoryTier(Tier):
         self._hold_fd: int | None = None
         self._slab: DeviceSlab | None = None
         self._link = _DeviceLink()
-        self._reg: Registration | None = None  # the DRAM slab's registration with CUDA
+        self._registry: HostRegistry | None = None  # the one the DRAM slab is registered in
         if kind is TierKind.DRAM:
             self._mm = self._map_dram(shm_name, shared)
             self._host = np.frombuffer(self._mm, dtype=np.uint8)
@@ -165,7 +168,7 @@ class MemoryTier(Tier):
         self._check_open()
         dst = self.payload(place, header.payload_len)
         if isinstance(dst, SlabPayload):  # into DRAM: the bytes land in the extent
-            header, _ = src.land(header, dst.fill_buffer(), pinned=self._link.registered)
+            header, _ = src.land(header, dst.fill_buffer(), pinned=self._link.locked)
         else:
             dst.write(src)
         self.seal(place, header)
@@ -187,9 +190,32 @@ class MemoryTier(Tier):
             return
         if not torch.cuda.is_available():
             return
+        self._register(process_registry())
+
+    def _register(self, registry: HostRegistry) -> None:
         what = f"the node's DRAM slab {self.shm_name or '(private)'}"
-        self._reg = process_registry().register(self._host.ctypes.data, self.capacity, what)
-        self._link.registered = self._reg.pinned
+        self._link.reg = registry.register(self._host.ctypes.data, self.capacity, what)
+        self._registry = registry
+
+    def _unregister(self) -> None:
+        reg, self._link.reg = self._link.reg, None
+        if reg is not None and self._registry is not None:
+            self._registry.release(reg)
+        self._registry = None
+
+    def use_copies(
+        self, engine: CopyEngine | None = None, registry: HostRegistry | None = None
+    ) -> None:
+        """DRAM only, before the first copy: move the slab's device copies with
+        ``engine`` (for the values it claims: the host engine claims CPU tensors, so
+        the CPU tests run the device paths), and/or register the slab in ``registry``
+        instead of the process's (a test's cudart with small chunks)."""
+        if self._slab is not None:
+            raise ConfigError("use_copies is for a DRAM tier")
+        self._link.fixed = engine
+        if registry is not None:
+            self._unregister()
+            self._register(registry)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -201,10 +227,7 @@ class MemoryTier(Tier):
             return
         self._closed = True
         if self._mm is not None:
-            if self._reg is not None:
-                self._link.registered = False
-                process_registry().release(self._reg)
-                self._reg = None
+            self._unregister()
             del self._host
             # a caller may still hold a view; the mapping then goes when the view does
             with contextlib.suppress(BufferError):
@@ -220,22 +243,39 @@ class MemoryTier(Tier):
 
 
 class _DeviceLink:
-    """What a DRAM slab's payloads need to copy to and from devices: whether the slab
-    is registered with CUDA, and the copy engine of each device, chosen on first use
-    (kvstore/copies/cuda.py ``engine_for``: the process's CUDA engine for CUDA)."""
+    """What a DRAM slab's payloads need to copy to and from devices: the slab's
+    registration with CUDA (``reg``), and the copy engine of each device, chosen on
+    first use (kvstore/copies/cuda.py ``engine_for``: the process's CUDA engine for
+    CUDA), or ``fixed`` for the values it claims (MemoryTier.use_copies)."""
 
-    __slots__ = ("_engines", "_lock", "registered")
+    __slots__ = ("_engines", "_lock", "fixed", "reg")
 
     def __init__(self) -> None:
-        self.registered = False
+        self.reg: Registration | None = None
+        self.fixed: CopyEngine | None = None
         self._engines: dict[Any, CopyEngine] = {}
         self._lock = threading.Lock()
 
-    def engine(self, device: Any) -> CopyEngine:
-        eng = self._engines.get(device)
+    @property
+    def registered(self) -> bool:
+        return self.reg is not None and self.reg.pinned
+
+    @property
+    def locked(self) -> Pinned:
+        """The slab's page-locking, for the landing helpers (copies/landing.py)."""
+        return self.reg if self.reg is not None and self.reg.pinned else False
+
+    def engine_of(self, value: Any) -> CopyEngine | None:
+        """The engine that copies ``value`` (a tensor to put, an output) to or from the
+        slab; None for host memory, copied by the CPU."""
+        if self.fixed is not None:
+            return self.fixed if self.fixed.claims(value) else None
+        if not _on_device(value):
+            return None
+        eng = self._engines.get(value.device)
         if eng is None:
             with self._lock:
-                eng = self._engines.setdefault(device, engine_for(device))
+                eng = self._engines.setdefault(value.device, engine_for(value.device))
         return eng
 
 
@@ -247,8 +287,8 @@ def _on_device(value: Any) -> bool:
 
 
 class SlabPayload(HostPayload):
-    """A DRAM extent's payload: host bytes that CUDA tensors are copied into and out of
-    through the slab's copy engines (straight when it is registered)."""
+    """A DRAM extent's payload: host bytes that device tensors are copied into and out
+    of through the slab's copy engines (straight when it is registered)."""
 
     __slots__ = ("_link",)
 
@@ -260,15 +300,36 @@ class SlabPayload(HostPayload):
         """A device tensor lands by D2H pieces on a side stream ordered after the
         producer's, each hashed as it lands: returns that xxh3 (the commit's landed
         checksum); anything else is copied as HostPayload copies it."""
-        if not _on_device(value):
+        engine = self._link.engine_of(value)
+        if engine is None:
             return super().write(value)
         src = CopyEngine.flat(value.detach())
-        engine = self._link.engine(src.device)
-        return land_hashed(engine, src, self._arr, pinned=self._link.registered)
+        return land_hashed(engine, src, self._arr, pinned=self._link.locked)
+
+    def queue_write(self, value: Any, batches: Batches) -> Pending | None:
+        """A device tensor's D2H, queued with an event of its own: its pending write
+        hashes the host bytes once that event completed."""
+        engine = self._link.engine_of(value)
+        if engine is None:
+            return None
+        src = CopyEngine.flat(value.detach())
+        return Pending(depart(engine, batches, src, self._arr, self._link.locked).landed)
 
     def copy_to(self, header: BlockHeader, out: Any) -> None:
-        dst = out_view(header, out)
-        if isinstance(dst, np.ndarray):
-            np.copyto(dst, self._arr, casting="no")
+        engine = self._link.engine_of(out)
+        if engine is None:
+            super().copy_to(header, out)
             return
-        lift(self._link.engine(dst.device), self._arr, dst, pinned=self._link.registered)
+        out_view(header, out)  # the layout check
+        lift(engine, self._arr, CopyEngine.flat(out), pinned=self._link.locked)
+
+    def queue_copy_to(self, header: BlockHeader, out: Any, batches: Batches) -> bool:
+        engine = self._link.engine_of(out)
+        if engine is None:
+            return False
+        out_view(header, out)
+        dst = CopyEngine.flat(out)
+        stage = arrive(engine, batches.on(engine, dst.device), self._arr, dst, self._link.locked)
+        if stage is not None:
+            batches.keep(stage)
+        return True

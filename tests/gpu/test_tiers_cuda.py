@@ -18,8 +18,8 @@ import torch
 
 from kvstore.blocks import HEADER_SIZE, checksum
 from kvstore.config import NodeConfig
-from kvstore.copies.cuda import CudaCopyEngine
-from kvstore.copies.registry import process_registry
+from kvstore.copies.cuda import CudaCopyEngine, process_engine
+from kvstore.copies.registry import HostRegistry, clear_last_error
 from kvstore.errors import CorruptBlock
 from kvstore.node.store import StoreNode
 from kvstore.tier_kinds import TierKind
@@ -130,9 +130,7 @@ def test_dram_put_from_and_get_into_cuda_are_exact(
     with StoreNode(NodeConfig(dram_bytes=64 * MiB, shm_name="")) as n:
         dram = n._tiers[0]
         if not pin:  # registration failed: the pinned-staging fallback
-            process_registry().release(dram._reg)
-            dram._reg = None
-            dram._link.registered = False
+            dram._unregister()
         assert dram.registered is pin, "cudaHostRegister of the DRAM slab failed"
         staging = _Calls(monkeypatch, CudaCopyEngine, "staging")
         for i, size in enumerate((1 * MiB, 4 * MiB, 16 * MiB)):
@@ -156,6 +154,79 @@ def test_the_copy_engine_orders_a_put_after_the_producer_stream(node: StoreNode)
     assert node.get_into(b"o" * 16, out)
     assert int(out.min()) == 7 == int(out.max())
     assert isinstance(node._tiers[0]._slab.engine, CudaCopyEngine)
+
+
+def _delta(before: dict[str, int]) -> dict[str, int]:
+    now = process_engine().stats
+    return {k: now[k] - before[k] for k in ("batches", "syncs")}
+
+
+def test_an_hbm_batch_is_one_d2d_submission_and_one_wait(
+    node: StoreNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hashes = _Calls(monkeypatch, hbm, "land_hashed")
+    staging = _Calls(monkeypatch, CudaCopyEngine, "staging")
+    keys = [bytes([i]) * 16 for i in range(6)]
+    values = [_value(40 + i, MiB) for i in range(6)]
+    before = dict(process_engine().stats)
+    assert node.batch_put(keys, values) == [True] * 6
+    assert _delta(before) == {"batches": 1, "syncs": 1}
+    assert all(node.tier_of(k) is TierKind.HBM for k in keys)
+    outs = [torch.empty_like(v) for v in values]
+    before = dict(process_engine().stats)
+    assert node.batch_get_into(keys[::-1], outs[::-1]) == [True] * 6
+    assert _delta(before) == {"batches": 1, "syncs": 1}
+    assert hashes.n == 0 and staging.n == 0  # no host hash, no host buffer
+    for out, v in zip(outs, values, strict=True):
+        assert torch.equal(out.view(torch.uint8), v.view(torch.uint8))
+    assert node.settle_checksums(10.0)  # the hasher's first checksums, then a departure
+    with node.pin(keys[2]) as blk:
+        assert blk is not None and checksum(blk.host()) == _host_sum(values[2])
+
+
+@pytest.mark.parametrize("pin", [True, False])
+def test_a_dram_batch_from_and_into_cuda_is_one_submission(
+    monkeypatch: pytest.MonkeyPatch, pin: bool
+) -> None:
+    with StoreNode(NodeConfig(dram_bytes=64 * MiB, shm_name="")) as n:
+        dram = n._tiers[0]
+        if not pin:
+            dram._unregister()
+        assert dram.registered is pin, "cudaHostRegister of the DRAM slab failed"
+        staging = _Calls(monkeypatch, CudaCopyEngine, "staging")
+        keys = [bytes([i]) * 16 for i in range(8)]
+        values = [_value(50 + i, (1 + i % 3) * MiB) for i in range(8)]
+        before = dict(process_engine().stats)
+        assert n.batch_put(keys, values) == [True] * 8
+        assert _delta(before) == {"batches": 1, "syncs": 1}
+        for k, v in zip(keys, values, strict=True):
+            assert n._index.state.entries[k].header.checksum == _host_sum(v)
+        outs = [torch.empty_like(v) for v in values]
+        before = dict(process_engine().stats)
+        assert n.batch_get_into(keys, outs) == [True] * 8
+        assert _delta(before) == {"batches": 1, "syncs": 1}
+        for out, v in zip(outs, values, strict=True):
+            assert torch.equal(out.view(torch.uint8), v.view(torch.uint8))
+        assert (staging.n == 0) is pin  # registered: straight in and out of the slab
+
+
+def test_dram_copies_across_registered_chunk_boundaries_are_exact() -> None:
+    with StoreNode(NodeConfig(dram_bytes=64 * MiB, shm_name="")) as n:
+        dram = n._tiers[0]
+        dram._unregister()  # registered again below, with 1 MiB chunks
+        small = HostRegistry(lambda: torch.cuda.cudart(), chunk=MiB, clear=clear_last_error)
+        dram.use_copies(registry=small)
+        assert dram.registered and len(dram._link.reg.chunks) == -(-dram.capacity // MiB)
+        keys = [bytes([i]) * 16 for i in range(8)]
+        values = [_value(60 + i, 3 * MiB // 2) for i in range(8)]  # most straddle a chunk
+        assert n.batch_put(keys[:4], values[:4]) == [True] * 4
+        assert all(n.put(k, v) for k, v in zip(keys[4:], values[4:], strict=True))
+        outs = [torch.empty_like(v) for v in values]
+        assert n.batch_get_into(keys[:4], outs[:4]) == [True] * 4
+        assert all(n.get_into(k, o) for k, o in zip(keys[4:], outs[4:], strict=True))
+        for k, out, v in zip(keys, outs, values, strict=True):
+            assert torch.equal(out.view(torch.uint8), v.view(torch.uint8))
+            assert n._index.state.entries[k].header.checksum == _host_sum(v)
 
 
 @pytest.mark.process

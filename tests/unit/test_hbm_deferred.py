@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -159,7 +160,8 @@ def test_a_corrupted_device_byte_is_caught_as_the_block_leaves(node: StoreNode, 
             with pytest.raises(CorruptBlock):
                 blk.host()
     else:
-        assert node.get_into(key, torch.empty(MiB, dtype=torch.uint8)) is False
+        # a host buffer (a CPU tensor beside a slab over host memory is an in-device read)
+        assert node.get_into(key, np.empty(MiB, dtype=np.uint8)) is False
     assert node.stats()["counters"]["corrupt_blocks_hbm"] == 1
     assert node.get(key) is None and node.exists([key]) == [False]  # a miss, for good
 
