@@ -43,12 +43,11 @@ from typing import Any
 
 import torch
 
-from engine.blockstore import BlockStore, LayerWriter
+from engine.blockstore import BlockStore, NullStore
 from engine.hf.adapter import HFKVAdapter
 from engine.hf.blockio import BATCH_KEYS, matched_blocks
 from engine.hf.models import LLAMA_1B, LlamaGeometry, random_llama
 from engine.hf.workers import DecodeWorker, PrefillWorker, greedy_continue
-from kvstore.keys import Namespace
 
 __all__ = ["TINY", "TTFTResult", "measure_ttft", "print_row"]
 
@@ -77,47 +76,6 @@ class TTFTResult:
     """The decode worker's tokens equal the prefill worker's own continuation."""
     cached_samples: list[float] = field(default_factory=list)
     recompute_samples: list[float] = field(default_factory=list)
-
-
-class _HoldsNothing:
-    """The recompute side's store: every lookup misses and every write is dropped
-    (reported as already stored), so the same worker code recomputes the whole prompt
-    and the real store keeps exactly the cached prefix."""
-
-    def put(self, key: bytes, value: Any, *, namespace: Namespace | None = None) -> bool:
-        return False
-
-    def get_into(self, key: bytes, out: Any, *, namespace: Namespace | None = None) -> bool:
-        return False
-
-    def batch_put(
-        self, keys: Sequence[bytes], values: Sequence[Any], *, namespace: Namespace | None = None
-    ) -> list[Any]:
-        return [False] * len(keys)
-
-    def batch_get_into(
-        self,
-        keys: Sequence[bytes],
-        outs: Sequence[Any],
-        *,
-        namespace: Namespace | None = None,
-        layers: tuple[int, int] | None = None,
-    ) -> list[Any]:
-        return [False] * len(keys)
-
-    def match_prefix(self, keys: Sequence[bytes]) -> int:
-        return 0
-
-    def begin_layers(
-        self, keys: Sequence[bytes], *, shape: Sequence[int], dtype: Any
-    ) -> LayerWriter:
-        raise NotImplementedError("the recompute side writes nothing")
-
-    def remove(self, keys: Sequence[bytes]) -> int:
-        return 0
-
-    def close(self) -> None:
-        """Nothing is open."""
 
 
 def _remove(store: Any, keys: Sequence[bytes]) -> None:
@@ -172,7 +130,7 @@ def measure_ttft(
     n_cached = cached_tokens // block_tokens
     store, owned = _open_store(address_or_store, ad, client_kwargs or {})
     try:
-        warm, cold = PrefillWorker(ad, store), PrefillWorker(ad, _HoldsNothing())
+        warm, cold = PrefillWorker(ad, store), PrefillWorker(ad, NullStore())
         _remove(store, keys)  # a clean slate, then exactly the prefix
         _remove(store, warm.prefill("seed-prefix", prompt[: cached_tokens + 1]).scoped_keys())
         if matched_blocks(store, keys) != n_cached:

@@ -49,6 +49,7 @@ __all__ = [
     "GuardedStore",
     "LayerWriter",
     "NodeStore",
+    "NullStore",
     "StoreHealth",
 ]
 
@@ -478,3 +479,54 @@ def _close_quietly(store: BlockStore | None, logger: logging.Logger) -> None:
         store.close()
     except Exception:
         logger.debug("closing a kvstore client raised", exc_info=True)
+
+
+class NullStore:
+    """A store that holds nothing: every lookup misses. Writes either raise ``refuse``
+    (a worker with no store node, where a write is a configuration error the caller
+    should hear of) or, with ``refuse`` empty, are dropped and reported as already
+    stored (the recompute side of a measurement, which must run the same worker code
+    and keep nothing)."""
+
+    def __init__(self, refuse: str = "") -> None:
+        self.refuse = refuse
+
+    def _write(self, n: int) -> list[Any]:
+        if self.refuse:
+            raise KVStoreError(self.refuse)
+        return [False] * n
+
+    def put(self, key: bytes, value: Any, *, namespace: Namespace | None = None) -> bool:
+        return bool(self._write(1)[0])
+
+    def get_into(self, key: bytes, out: Any, *, namespace: Namespace | None = None) -> bool:
+        return False
+
+    def batch_put(
+        self, keys: Sequence[bytes], values: Sequence[Any], *, namespace: Namespace | None = None
+    ) -> list[Any]:
+        return self._write(len(keys))
+
+    def batch_get_into(
+        self,
+        keys: Sequence[bytes],
+        outs: Sequence[Any],
+        *,
+        namespace: Namespace | None = None,
+        layers: tuple[int, int] | None = None,
+    ) -> list[Any]:
+        return [False] * len(keys)
+
+    def match_prefix(self, keys: Sequence[bytes]) -> int:
+        return 0
+
+    def begin_layers(
+        self, keys: Sequence[bytes], *, shape: Sequence[int], dtype: Any
+    ) -> LayerWriter:
+        raise KVStoreError(self.refuse or "a store that holds nothing writes no layers")
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        return 0
+
+    def close(self) -> None:
+        """Nothing is open."""

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from engine.blockstore import GuardedStore, LayerWriter
+from engine.blockstore import GuardedStore, NullStore
 from engine.hf.adapter import HFKVAdapter, model_device
 from engine.hf.workers import DecodeWorker, Handoff, PrefillWorker, greedy_continue
 from engine.planning.scheduler import PrefillModel, PrefillSample, fit_prefill_model
@@ -143,7 +143,8 @@ class WorkerEngine:
     # -- prefill ---------------------------------------------------------------------------
 
     def _prefiller(self) -> PrefillWorker:
-        return PrefillWorker(self.adapter, self.local if self.local is not None else _NoStore())
+        store = self.local if self.local is not None else NullStore(refuse=_NO_NODE)
+        return PrefillWorker(self.adapter, store)
 
     async def prefill(self, request_id: str, prompt: Sequence[int]) -> dict[str, Any]:
         """Prefill for another worker to decode: the handoff as plain data."""
@@ -268,44 +269,7 @@ class WorkerEngine:
             self._changed()
 
 
-class _NoStore:
-    """A worker without a store node: every lookup misses, nothing is kept."""
-
-    def put(self, key: bytes, value: Any, *, namespace: Any = None) -> bool:
-        raise KVStoreError("this worker has no store node")
-
-    def get_into(self, key: bytes, out: Any, *, namespace: Any = None) -> bool:
-        return False
-
-    def batch_put(
-        self, keys: Sequence[bytes], values: Sequence[Any], *, namespace: Any = None
-    ) -> list[Any]:
-        raise KVStoreError("this worker has no store node")
-
-    def batch_get_into(
-        self,
-        keys: Sequence[bytes],
-        outs: Sequence[Any],
-        *,
-        namespace: Any = None,
-        layers: tuple[int, int] | None = None,
-    ) -> list[Any]:
-        return [False] * len(keys)
-
-    def match_prefix(self, keys: Sequence[bytes]) -> int:
-        return 0
-
-    def begin_layers(
-        self, keys: Sequence[bytes], *, shape: Sequence[int], dtype: Any
-    ) -> LayerWriter:
-        raise KVStoreError("this worker has no store node")
-
-    def remove(self, keys: Sequence[bytes]) -> int:
-        return 0
-
-    def close(self) -> None:
-        """Nothing is open."""
-
+_NO_NODE = "this worker has no store node"
 
 CALIBRATION_POINTS: tuple[tuple[int, int], ...] = (
     (32, 0), (128, 0), (256, 0), (256, 128), (512, 0), (512, 384), (1024, 0), (1024, 768),

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
-from engine.blockstore import BlockStore, GuardedStore, NodeStore
+from engine.blockstore import BlockStore, GuardedStore, NodeStore, NullStore
 from engine.serving.stores import HandoffReader
 from kvstore import Namespace, StoreNode, prefix_keys
 from kvstore.errors import InvalidValue, KVStoreError, Unavailable
@@ -94,3 +95,20 @@ def test_handoff_reader_reads_the_source_and_refuses_writes() -> None:
         assert reader.match_prefix(keys) == 1
         with pytest.raises(KVStoreError, match="does not write"):
             reader.batch_put(keys, outs)
+
+
+def test_a_null_store_misses_and_drops_or_refuses_writes() -> None:
+    keys = [bytes([i]) * 16 for i in range(3)]
+    outs = [np.zeros(4, dtype=np.uint8) for _ in keys]
+    dropping, refusing = NullStore(), NullStore(refuse="no store node here")
+    for store in (dropping, refusing):
+        assert store.batch_get_into(keys, outs) == [False] * 3
+        assert not store.get_into(keys[0], outs[0])
+        assert store.match_prefix(keys) == 0 and store.remove(keys) == 0
+    assert all(not o.any() for o in outs)
+    assert dropping.batch_put(keys, outs) == [False] * 3
+    assert dropping.put(keys[0], outs[0]) is False
+    with pytest.raises(KVStoreError, match="no store node here"):
+        refusing.batch_put(keys, outs)
+    with pytest.raises(KVStoreError, match="no store node here"):
+        refusing.put(keys[0], outs[0])

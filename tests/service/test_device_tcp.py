@@ -54,6 +54,9 @@ class _RecordedBatch(Batch):
     def h2d(self, dsts: Sequence[Any], srcs: Sequence[Any]) -> None:
         self.inner.h2d(dsts, srcs)
 
+    def d2d(self, dsts: Sequence[Any], srcs: Sequence[Any]) -> None:
+        self.inner.d2d(dsts, srcs)
+
     def d2h(self, dsts: Sequence[Any], srcs: Sequence[Any]) -> None:
         rec = self.rec
         if rec.fail_at is not None and rec.queued >= rec.fail_at:
