@@ -3,16 +3,20 @@ before and after the data plane changes.
 
 A real ``kvstore serve`` child (bench_service.kvstore_server) serves the requests; its
 CPU time (user + system, all its threads, psutil over /proc/<pid>/stat) is read just
-before and just after a window of N calls, and the difference divided by N. Rows:
-``put`` and ``get_into`` of 1 MiB over TCP and over shared memory (same host, the
-default transport), and their x8 batches. Gets read from one server, puts write fresh
-keys into a second one (2 GiB of DRAM, evicting as it fills, as a full node does).
+before and just after a window of N calls, and the difference divided by N (with the
+system part apart: the kernel's copies and syscalls, against the interpreter's work in
+user time). Rows: ``put`` and ``get_into`` of 1 MiB over TCP and over shared memory
+(same host, the default transport), and their x8 batches. Gets read from one server,
+puts write fresh keys into a second one (2 GiB of DRAM, evicting as it fills, as a full
+node does).
 
 Beside each row, for context: wall time per call and the client's own CPU per call
-(time.process_time, all client threads). The anchor, measured the same way in the same
-run: a raw socket receiver in a child process that ``recv_into``s 1 MiB blocks and
-answers each with one byte (a put's round trip, with no work but moving the bytes).
-``srv/raw`` is the server's CPU per MiB over the anchor's CPU per MiB.
+(time.process_time, all client threads). The anchors, measured the same way in the same
+run: a raw socket peer in a child process that ``recv_into``s 1 MiB blocks and answers
+each with one byte (a put's round trip, with no work but moving the bytes), and one that
+answers a one-byte request with 1 MiB (a TCP get's). ``srv/raw`` is the server's CPU per
+MiB over the matching anchor's CPU per MiB (puts: the receiver; gets: the sender): how
+much of the server's work is beyond moving the bytes.
 
 Each window runs N calls, N chosen by a short calibration so that a window lasts about
 ``--seconds`` (at least 0.5 s; the kernel counts CPU time in 10 ms ticks, so a window
@@ -50,24 +54,26 @@ MiB = 1 << 20
 BLOCKS = 16  # distinct blocks the gets cycle through
 
 Op = Callable[[int], None]
+RECV, SEND = "raw recv (anchor)", "raw send (anchor)"
 
 
-def cpu_seconds(proc: psutil.Process) -> float:
-    """User + system CPU seconds of every thread of ``proc`` so far."""
+def cpu_seconds(proc: psutil.Process) -> tuple[float, float]:
+    """User and system CPU seconds of every thread of ``proc`` so far."""
     t = proc.cpu_times()
-    return t.user + t.system
+    return t.user, t.system
 
 
 def window(fn: Op, calls: int, proc: psutil.Process) -> dict[str, float]:
-    """Wall, the watched process's CPU and this process's CPU, in microseconds per call,
-    over exactly ``calls`` calls of ``fn``."""
-    s0, c0, t0 = cpu_seconds(proc), time.process_time(), time.perf_counter()
+    """Wall, the watched process's CPU (user + system, and system alone) and this
+    process's CPU, in microseconds per call, over exactly ``calls`` calls of ``fn``."""
+    (u0, k0), c0, t0 = cpu_seconds(proc), time.process_time(), time.perf_counter()
     for i in range(calls):
         fn(i)
-    t1, c1, s1 = time.perf_counter(), time.process_time(), cpu_seconds(proc)
+    t1, c1, (u1, k1) = time.perf_counter(), time.process_time(), cpu_seconds(proc)
     return {
         "wall_us": (t1 - t0) / calls * 1e6,
-        "server_cpu_us": (s1 - s0) / calls * 1e6,
+        "server_cpu_us": (u1 - u0 + k1 - k0) / calls * 1e6,
+        "server_sys_us": (k1 - k0) / calls * 1e6,
         "client_cpu_us": (c1 - c0) / calls * 1e6,
     }
 
@@ -81,37 +87,51 @@ def calibrate(fn: Op, seconds: float) -> int:
     return max(math.ceil(seconds * n / elapsed), 4)
 
 
-# -- the anchor: a raw socket receiver in a child process -------------------------------------
+# -- the anchors: a raw socket peer in a child process ---------------------------------------
 
 
-def _raw_receiver(port: int, size: int) -> None:
-    """Receives ``size``-byte blocks and answers each with one byte, until hung up on."""
-    out = memoryview(bytearray(size))
+def _raw_peer(port: int, size: int, sending: bool) -> None:
+    """Receives ``size``-byte blocks and answers each with one byte (``sending=False``),
+    or answers each one-byte request with a block (``sending=True``), until hung up on."""
+    buf = memoryview(bytearray(size))
     with socket.create_connection(("127.0.0.1", port)) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * MiB)
-        while s.recv_into(out, size, socket.MSG_WAITALL) == size:
-            s.sendall(b"k")
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 * MiB)
+        if sending:
+            while s.recv(1) == b"g":
+                s.sendall(buf)
+        else:
+            while s.recv_into(buf, size, socket.MSG_WAITALL) == size:
+                s.sendall(b"k")
 
 
-class RawReceive:
-    """The anchor's sender side: ``send(i)`` moves one block and waits for its answer."""
+class RawPeer:
+    """The anchor's client side: ``call(i)`` sends one block and waits for its answer
+    (``sending=False``: the child receives), or asks for one and receives it."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, sending: bool) -> None:
         ls = socket.socket()
         ls.bind(("127.0.0.1", 0))
         ls.listen(1)
         ctx = mp.get_context("spawn")
-        self.child = ctx.Process(target=_raw_receiver, args=(ls.getsockname()[1], size))
+        args = (ls.getsockname()[1], size, sending)
+        self.child = ctx.Process(target=_raw_peer, args=args)
         self.child.start()
         self.sock, _ = ls.accept()
         ls.close()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * MiB)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 * MiB)
         self.proc = psutil.Process(self.child.pid)
         self.data = np.random.default_rng(3).integers(0, 255, size, dtype=np.uint8)
+        self.view, self.size, self.sending = memoryview(self.data), size, sending
 
-    def send(self, _: int) -> None:
-        self.sock.sendall(self.data)
-        assert self.sock.recv(1) == b"k"
+    def call(self, _: int) -> None:
+        if self.sending:
+            self.sock.sendall(b"g")
+            assert self.sock.recv_into(self.view, self.size, socket.MSG_WAITALL) == self.size
+        else:
+            self.sock.sendall(self.data)
+            assert self.sock.recv(1) == b"k"
 
     def close(self) -> None:
         self.sock.close()
@@ -185,10 +205,12 @@ def measure(runs: int, seconds: float) -> dict[str, Any]:
     idle CPU (what their background threads spend with no request in flight)."""
     with kvstore_server("1GiB") as get_facts, kvstore_server("2GiB") as put_facts:
         get_proc, put_proc = psutil.Process(get_facts["pid"]), psutil.Process(put_facts["pid"])
-        req, raw = Requests(get_facts, put_facts), RawReceive(MiB)
+        req = Requests(get_facts, put_facts)
+        recv, send = RawPeer(MiB, sending=False), RawPeer(MiB, sending=True)
         try:
             rows: dict[str, tuple[Op, int, psutil.Process]] = {
-                "raw recv (anchor)": (raw.send, 1, raw.proc)
+                RECV: (recv.call, 1, recv.proc),
+                SEND: (send.call, 1, send.proc),
             }
             for name, (fn, mib) in req.ops().items():
                 rows[name] = (fn, mib, put_proc if "put" in name else get_proc)
@@ -199,7 +221,8 @@ def measure(runs: int, seconds: float) -> dict[str, Any]:
                     samples[name].append(window(fn, calls[name], proc))
             idle = {"get server": idle_cpu(get_proc), "put server": idle_cpu(put_proc)}
         finally:
-            raw.close()
+            recv.close()
+            send.close()
             req.close()
     out = {}
     for name, (_, mib, _) in rows.items():
@@ -210,28 +233,31 @@ def measure(runs: int, seconds: float) -> dict[str, Any]:
 
 def idle_cpu(proc: psutil.Process, seconds: float = 1.0) -> float:
     """Microseconds of CPU ``proc`` spends per second with nothing asked of it."""
-    c0 = cpu_seconds(proc)
+    c0 = sum(cpu_seconds(proc))
     time.sleep(seconds)
-    return (cpu_seconds(proc) - c0) / seconds * 1e6
+    return (sum(cpu_seconds(proc)) - c0) / seconds * 1e6
 
 
 def table(doc: dict[str, Any]) -> str:
     rows = doc["rows"]
-    raw = rows["raw recv (anchor)"]["server_cpu_us"]
+    recv, send = rows[RECV]["server_cpu_us"], rows[SEND]["server_cpu_us"]
     head = (
-        f"| op (1 MiB values) | calls | wall us/call | server CPU us/call "
-        f"| server CPU us/MiB | client CPU us/call | srv/raw |\n|{'---|' * 7}"
+        "| op (1 MiB values) | calls | wall us/call | server CPU us/call | of which sys "
+        f"| server CPU us/MiB | client CPU us/call | srv/raw |\n|{'---|' * 8}"
     )
     lines = [head]
     for name, r in rows.items():
         per_mib = r["server_cpu_us"] / r["mib_per_call"]
+        raw = send if "get" in name or name == SEND else recv
         lines.append(
             f"| {name} | {r['calls']} | {r['wall_us']:.0f} | {r['server_cpu_us']:.0f} "
-            f"| {per_mib:.0f} | {r['client_cpu_us']:.0f} | {per_mib / raw:.2f} |"
+            f"| {r['server_sys_us']:.0f} | {per_mib:.0f} | {r['client_cpu_us']:.0f} "
+            f"| {per_mib / raw:.2f} |"
         )
     idle = ", ".join(f"{k} {v:.0f} us/s" for k, v in doc["idle_cpu_us_per_s"].items())
     lines.append(
-        f"\nServer = the kvstore serve process (for the anchor: the raw receiver). "
+        f"\nServer = the kvstore serve process (for an anchor: its child). srv/raw: "
+        f"puts over the raw receiver, gets over the raw sender. "
         f"Median of {doc['runs']} runs, windows of about {doc['seconds']} s. "
         f"Idle server CPU: {idle}."
     )
