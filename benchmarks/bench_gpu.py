@@ -25,9 +25,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import statistics
 import sys
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,6 +34,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import gpu_node
 from bench_service import TOKEN, kvstore_server
 
 from kvstore import StoreClient
@@ -50,30 +49,13 @@ PUT_BYTES = 128 * MiB  # moved per put measurement
 DEVICE = "cuda"  # --device cpu: the same code on CPU tensors, a smoke run with no GPU
 
 
-def _sync() -> None:
-    import torch
-
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
 def _pinned(t: Any) -> Any:
     return t.pin_memory() if DEVICE == "cuda" else t
 
 
-def timed(fn: Callable[[], Any]) -> float:
-    """Seconds for one call of ``fn``, the device drained on both sides."""
-    _sync()
-    t0 = time.perf_counter()
-    fn()
-    _sync()
-    return time.perf_counter() - t0
-
-
 def median_rate(nbytes: int, fn: Callable[[], Any], runs: int) -> float:
-    """GB/s: the median over ``runs`` timed calls (one untimed warm-up first)."""
-    fn()
-    return nbytes / statistics.median(timed(fn) for _ in range(runs)) / 1e9
+    """GB/s: the median over ``runs`` synchronized calls, after one untimed warm-up."""
+    return gpu_node.median_gbps(nbytes, fn, DEVICE, runs)
 
 
 @contextmanager
@@ -209,8 +191,6 @@ def ttft_row(address: str, runs: int) -> dict[str, Any]:
 
 def node_rows(runs: int) -> list[dict[str, Any]]:
     """Node-level HBM and DRAM copies against device copies (benchmarks/gpu_node.py)."""
-    import gpu_node
-
     smoke = DEVICE == "cpu"
     found = gpu_node.hbm_rows(repeats=runs, smoke_cpu=smoke)
     found += gpu_node.dram_rows(repeats=runs, smoke_cpu=smoke)

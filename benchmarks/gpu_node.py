@@ -109,6 +109,20 @@ def _device(smoke_cpu: bool) -> str | None:
     return "cpu" if smoke_cpu else None
 
 
+def _per_size(
+    measure: Callable[[float, int, int, str], list[Row]],
+    sizes_mib: Sequence[float],
+    blocks: int,
+    repeats: int,
+    smoke_cpu: bool,
+) -> list[Row]:
+    """``measure``'s rows for each block size; none without CUDA (unless a smoke run)."""
+    device = _device(smoke_cpu)
+    if device is None:
+        return []
+    return [row for mib in sizes_mib for row in measure(mib, blocks, repeats, device)]
+
+
 def hbm_rows(
     sizes_mib: Sequence[float] = (1, 4, 16),
     blocks: int = 16,
@@ -117,10 +131,7 @@ def hbm_rows(
     smoke_cpu: bool = False,
 ) -> list[Row]:
     """HBM tier get_into and put against a D2D copy, per block size."""
-    device = _device(smoke_cpu)
-    if device is None:
-        return []
-    return [row for mib in sizes_mib for row in _hbm_size(mib, blocks, repeats, device)]
+    return _per_size(_hbm_size, sizes_mib, blocks, repeats, smoke_cpu)
 
 
 def _hbm_size(mib: float, blocks: int, repeats: int, device: str) -> list[Row]:
@@ -134,7 +145,7 @@ def _hbm_size(mib: float, blocks: int, repeats: int, device: str) -> list[Row]:
         for k, s in zip(keys, src, strict=True):
             node.put(k, s)
         ours = _gbps(nbytes, lambda i: node.get_into(keys[i], outs[i]), blocks, device, repeats)
-        batch_get = _batched(
+        batch_get = median_gbps(
             nbytes * blocks, lambda: node.batch_get_into(keys, outs), device, repeats
         )
         d2d = _gbps(nbytes, lambda i: outs[i].copy_(src[i]), blocks, device, repeats)
@@ -183,7 +194,7 @@ def _batch_round(
     return rate
 
 
-def _batched(total: int, op: Callable[[], Any], device: str, repeats: int) -> float:
+def median_gbps(total: int, op: Callable[[], Any], device: str, repeats: int) -> float:
     """Median GB/s of ``repeats`` calls of ``op`` moving ``total`` bytes each, each
     synchronized once, after one untimed call."""
     op()
@@ -205,10 +216,7 @@ def dram_rows(
     smoke_cpu: bool = False,
 ) -> list[Row]:
     """DRAM tier put from and get_into a CUDA tensor against pinned D2H / H2D copies."""
-    device = _device(smoke_cpu)
-    if device is None:
-        return []
-    return [row for mib in sizes_mib for row in _dram_size(mib, blocks, repeats, device)]
+    return _per_size(_dram_size, sizes_mib, blocks, repeats, smoke_cpu)
 
 
 def _dram_size(mib: float, blocks: int, repeats: int, device: str) -> list[Row]:
@@ -232,7 +240,7 @@ def _dram_size(mib: float, blocks: int, repeats: int, device: str) -> list[Row]:
         )
         keys = _keys(200, blocks)
         ours = _gbps(nbytes, lambda i: node.get_into(keys[i], outs[i]), blocks, device, repeats)
-        batch_get = _batched(
+        batch_get = median_gbps(
             nbytes * blocks, lambda: node.batch_get_into(keys, outs), device, repeats
         )
         h2d = _gbps(

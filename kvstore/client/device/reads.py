@@ -25,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.copies.engine import Batch, CopyEngine, Finishing
+from kvstore.copies.engine import Batches, CopyEngine, Finishing
+from kvstore.copies.landing import cuts
 from kvstore.copies.registry import Registration
 from kvstore.copies.staging import StagingRing
 
@@ -47,16 +48,10 @@ class DeviceRead(Finishing):
         self.reg = reg if reg is not None and reg.pinned else None
         self._slots = slots
         self._ring: StagingRing | None = None
-        self._batches: dict[Any, Batch] = {}
+        self._batches = Batches()
         self._gathered: dict[Any, tuple[list[Any], list[np.ndarray]]] = {}
         self.staged_bytes = 0  # bytes that went through staging (host copies or receives)
         self._finished = False
-
-    def _batch(self, device: Any) -> Batch:
-        batch = self._batches.get(device)
-        if batch is None:
-            batch = self._batches[device] = self.engine.begin(device)
-        return batch
 
     def from_segment(self, dst: Any, offset: int, n: int) -> None:
         """Copy segment bytes ``[offset, offset + n)`` into ``dst``: gathered for one
@@ -73,12 +68,12 @@ class DeviceRead(Finishing):
             self.receive(dst, n, fill)
             return
         dsts, srcs = self._gathered.setdefault(dst.device, ([], []))
-        pieces = reg.pieces(reg.base + offset, n)
+        pieces = cuts(reg, src, 0, n)  # one, unless it straddles two registered chunks
         if len(pieces) == 1:
             dsts.append(dst)
             srcs.append(src)
             return
-        for lo, hi in pieces:  # straddles two registered chunks: one copy per chunk
+        for lo, hi in pieces:
             dsts.append(dst[lo:hi])
             srcs.append(src[lo:hi])
 
@@ -97,7 +92,7 @@ class DeviceRead(Finishing):
         if not good:
             ring.drop()
             return False
-        ring.upload(self._batch(dst.device), dst)
+        ring.upload(self._batches.on(self.engine, dst.device), dst)
         self.staged_bytes += n
         return True
 
@@ -105,7 +100,7 @@ class DeviceRead(Finishing):
         """Queue the gathered segment copies now (one submission per device)."""
         gathered, self._gathered = self._gathered, {}
         for device, (dsts, srcs) in gathered.items():
-            self._batch(device).h2d(dsts, srcs)
+            self._batches.on(self.engine, device).h2d(dsts, srcs)
 
     def finish(self) -> None:
         """Queue what is gathered and wait once per batch; idempotent. Raises
@@ -113,19 +108,12 @@ class DeviceRead(Finishing):
         if self._finished:
             return
         self._finished = True
+        ring = self._ring
+        steps = [self.submit, self._batches.finish] + ([ring.close] if ring else [])
         first: BaseException | None = None
-        try:
-            self.submit()
-        except BaseException as exc:
-            first = exc
-        for batch in self._batches.values():
+        for step in steps:  # every step runs: no copy may stay in flight
             try:
-                batch.finish()
-            except BaseException as exc:
-                first = first or exc
-        if self._ring is not None:
-            try:
-                self._ring.close()
+                step()
             except BaseException as exc:
                 first = first or exc
         if first is not None:

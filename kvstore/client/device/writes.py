@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.copies.engine import Batch, Completion, CopyEngine, Finishing
+from kvstore.copies.engine import Batches, Completion, CopyEngine, Finishing
+from kvstore.copies.landing import cuts
 from kvstore.copies.registry import Registration
 from kvstore.copies.staging import StagingRing
 
@@ -49,14 +50,8 @@ class DeviceWrite(Finishing):
         self.reg = reg if reg is not None and reg.pinned and segment is not None else None
         self._ring = StagingRing(engine, slots)
         self._slots = slots
-        self._batches: dict[Any, Batch] = {}
+        self._batches = Batches()
         self._finished = False
-
-    def _batch(self, device: Any) -> Batch:
-        batch = self._batches.get(device)
-        if batch is None:
-            batch = self._batches[device] = self.engine.begin(device)
-        return batch
 
     def items(self) -> Iterator[tuple[int, np.ndarray, bool]]:
         """``(i, host bytes of srcs[i], landed)`` in order, each once its copy is done:
@@ -77,7 +72,7 @@ class DeviceWrite(Finishing):
             i = staged[queued]
             src = self.srcs[i]
             views[i] = self._ring.take(int(src.numel()))
-            marks[i] = self._ring.download(self._batch(src.device), src)
+            marks[i] = self._ring.download(self._batches.on(self.engine, src.device), src)
             queued += 1
 
         while queued < min(len(staged), self._slots):
@@ -96,8 +91,8 @@ class DeviceWrite(Finishing):
         assert off is not None and reg is not None and seg is not None
         n = int(src.numel())
         dst = seg[off : off + n]
-        batch = self._batch(src.device)
-        pieces = reg.pieces(reg.base + off, n)
+        batch = self._batches.on(self.engine, src.device)
+        pieces = cuts(reg, dst, 0, n)  # one, unless it straddles two registered chunks
         if len(pieces) == 1:
             batch.d2h([dst], [src])
         else:
@@ -110,14 +105,10 @@ class DeviceWrite(Finishing):
             return
         self._finished = True
         first: BaseException | None = None
-        for batch in self._batches.values():
+        for step in (self._batches.finish, self._ring.close):  # both run, whatever fails
             try:
-                batch.finish()
+                step()
             except BaseException as exc:
                 first = first or exc
-        try:
-            self._ring.close()
-        except BaseException as exc:
-            first = first or exc
         if first is not None:
             raise first
