@@ -15,10 +15,7 @@ from kvstore.copies.cuda import CudaCopyEngine, engine_for, process_engine
 from kvstore.copies.landing import land_hashed, lift
 from kvstore.copies.registry import process_registry
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = pytest.mark.cuda  # skipped without a CUDA device (tests/conftest.py)
 
 MiB = 1 << 20
 

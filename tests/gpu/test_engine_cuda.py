@@ -24,10 +24,7 @@ from engine.hf.workers import DecodeWorker, PrefillWorker, greedy_continue
 from kvstore import StoreNode
 from tests.support.recording_store import Recorder
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = pytest.mark.cuda  # skipped without a CUDA device (tests/conftest.py)
 
 B = 16
 N_NEW = 16

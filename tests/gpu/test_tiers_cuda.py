@@ -27,10 +27,7 @@ from kvstore.tiers import hbm
 from tests.support.server_fixtures import ServerFactory
 
 pytest_plugins = ["tests.support.server_fixtures"]
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = pytest.mark.cuda  # skipped without a CUDA device (tests/conftest.py)
 
 MiB = 1 << 20
 
