@@ -316,6 +316,11 @@ class ServerConfig(EtcdAccess):
         kv_events_topic: topic of every published batch.
         kv_events_block_size: tokens per block, as the events report it (the node
             stores bytes and does not know the engine's block size).
+        shards: how many processes serve this node (``kvstore serve``): ``auto`` (one
+            per two cores, at most 8, each with at least 1 GiB of DRAM:
+            kvstore/wire/shards.py) or a number. Each shard owns 1/N of the DRAM, HBM
+            and SSD and is a node of its own in the directory; clients send each key
+            to its shard. An in-process StoreServer is always one shard.
 
     The ``etcd_*`` credentials of :class:`EtcdAccess` apply to the directory at ``etcd``.
     """
@@ -352,8 +357,11 @@ class ServerConfig(EtcdAccess):
     kv_events_replay_endpoint: str = ""
     kv_events_topic: str = "kvstore"
     kv_events_block_size: int = 16
+    shards: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.shards != "auto" and not (self.shards.isdigit() and 1 <= int(self.shards) <= 64):
+            raise ConfigError(f"shards {self.shards!r}: use auto or a number from 1 to 64")
         if not self.host or any(c.isspace() for c in self.host):
             raise ConfigError(f"host {self.host!r}: give an address to bind, e.g. 127.0.0.1")
         _check_cluster(self.etcd, self.cluster, allow_standalone=True)

@@ -50,7 +50,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("version", "node_id", "tenant", "admin", "host_id", "hostname", "data_port", "shm_name", "shm_size", "lease_ttl_ms", "limits", "tiers", "instance_id", "draining", "unix_socket", "shm_index", "pid", "scope_key", "put_sums_follow", "ucx", "ucx_address", "ucx_tag", "put_layers", "put_credits", "ucx_wire")
+    __slots__ = ("version", "node_id", "tenant", "admin", "host_id", "hostname", "data_port", "shm_name", "shm_size", "lease_ttl_ms", "limits", "tiers", "instance_id", "draining", "unix_socket", "shm_index", "pid", "scope_key", "put_sums_follow", "ucx", "ucx_address", "ucx_tag", "put_layers", "put_credits", "ucx_wire", "group", "shard", "shard_count", "shards")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,10 @@ class InfoResponse(_message.Message):
     PUT_LAYERS_FIELD_NUMBER: _ClassVar[int]
     PUT_CREDITS_FIELD_NUMBER: _ClassVar[int]
     UCX_WIRE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
     version: str
     node_id: str
     tenant: str
@@ -101,7 +105,21 @@ class InfoResponse(_message.Message):
     put_layers: bool
     put_credits: bool
     ucx_wire: int
-    def __init__(self, version: _Optional[str] = ..., node_id: _Optional[str] = ..., tenant: _Optional[str] = ..., admin: _Optional[bool] = ..., host_id: _Optional[str] = ..., hostname: _Optional[str] = ..., data_port: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_size: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., tiers: _Optional[_Iterable[str]] = ..., instance_id: _Optional[str] = ..., draining: _Optional[bool] = ..., unix_socket: _Optional[str] = ..., shm_index: _Optional[str] = ..., pid: _Optional[int] = ..., scope_key: _Optional[bytes] = ..., put_sums_follow: _Optional[bool] = ..., ucx: _Optional[bool] = ..., ucx_address: _Optional[bytes] = ..., ucx_tag: _Optional[int] = ..., put_layers: _Optional[bool] = ..., put_credits: _Optional[bool] = ..., ucx_wire: _Optional[int] = ...) -> None: ...
+    group: str
+    shard: int
+    shard_count: int
+    shards: _containers.RepeatedCompositeFieldContainer[Shard]
+    def __init__(self, version: _Optional[str] = ..., node_id: _Optional[str] = ..., tenant: _Optional[str] = ..., admin: _Optional[bool] = ..., host_id: _Optional[str] = ..., hostname: _Optional[str] = ..., data_port: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_size: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., tiers: _Optional[_Iterable[str]] = ..., instance_id: _Optional[str] = ..., draining: _Optional[bool] = ..., unix_socket: _Optional[str] = ..., shm_index: _Optional[str] = ..., pid: _Optional[int] = ..., scope_key: _Optional[bytes] = ..., put_sums_follow: _Optional[bool] = ..., ucx: _Optional[bool] = ..., ucx_address: _Optional[bytes] = ..., ucx_tag: _Optional[int] = ..., put_layers: _Optional[bool] = ..., put_credits: _Optional[bool] = ..., ucx_wire: _Optional[int] = ..., group: _Optional[str] = ..., shard: _Optional[int] = ..., shard_count: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ...) -> None: ...
+
+class Shard(_message.Message):
+    __slots__ = ("index", "address", "node_id")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    address: str
+    node_id: str
+    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

@@ -47,6 +47,11 @@ class NodeInfo:
         draining: the node is being emptied (``kvstore drain``): clients stop writing
             to it but may still read what it holds. Changed on a live registration
             with :meth:`Directory.update_node`.
+        group / shard / shards: a node sharded across processes (``kvstore serve
+            --shards N``, kvstore/wire/shards.py) registers each shard as a node of
+            its own, named ``<group>.s<shard>``; a writer sends each key to shard
+            ``shard_of(key, shards)`` of the group it writes to. "" / 0 / 1 for a
+            whole node.
     """
 
     node_id: str
@@ -59,9 +64,14 @@ class NodeInfo:
     host_id: str = ""
     epoch: int = 0
     draining: bool = False
+    group: str = ""
+    shard: int = 0
+    shards: int = 1
 
     def __post_init__(self) -> None:
         check_name("node_id", self.node_id)
+        if not 0 <= self.shard < self.shards or (self.shards > 1 and not self.group):
+            raise ConfigError(f"NodeInfo {self.node_id}: shard {self.shard} of {self.shards}")
         if not self.host:
             raise ConfigError("NodeInfo.host must not be empty")
 
@@ -83,6 +93,8 @@ class NodeInfo:
             "epoch": self.epoch,
             "draining": self.draining,
         }
+        if self.group:
+            doc.update(group=self.group, shard=self.shard, shards=self.shards)
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
@@ -101,6 +113,9 @@ class NodeInfo:
                 host_id=doc.get("host_id", ""),
                 epoch=int(doc.get("epoch", 0)) if epoch is None else epoch,
                 draining=_flag(doc.get("draining", False)),
+                group=str(doc.get("group", "")),
+                shard=int(doc.get("shard", 0)),
+                shards=int(doc.get("shards", 1)),
             )
         except (ValueError, KeyError, TypeError, ConfigError) as exc:
             raise DirectoryError(f"malformed node record: {raw[:200]!r}") from exc

@@ -70,7 +70,7 @@ class Child:
 
     name: str
     proc: subprocess.Popen[str]
-    log: Path
+    log: Path | None  # None: the child writes its log to our stderr
     facts: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -79,6 +79,8 @@ class Child:
 
     def tail(self) -> str:
         """The last line of the child's log (for error messages)."""
+        if self.log is None:
+            return f"[{self.name}] (its log is above, on stderr)"
         try:
             text = self.log.read_text(errors="replace").strip()
         except OSError:
@@ -98,19 +100,27 @@ def serve_argv(flags: Mapping[str, Any]) -> list[str]:
     return argv
 
 
-def spawn(name: str, argv: Sequence[str], *, log: Path, env: Mapping[str, str]) -> Child:
-    """Start ``argv`` with stdout piped (for the ready line) and stderr to ``log``."""
+def spawn(
+    name: str, argv: Sequence[str], *, log: Path | None, env: Mapping[str, str]
+) -> Child:
+    """Start ``argv`` with stdout piped (for the ready line) and stderr to ``log`` (None:
+    to this process's stderr)."""
+    if log is None:
+        return Child(name, _popen(argv, None, env), None)
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as fh:
-        proc = subprocess.Popen(
-            _guarded(argv),
-            stdout=subprocess.PIPE,
-            stderr=fh,
-            env={**env, "PYTHONUNBUFFERED": "1"},
-            text=True,
-            start_new_session=True,  # Ctrl-C reaches only us: we stop them in order
-        )
-    return Child(name, proc, log)
+        return Child(name, _popen(argv, fh, env), log)
+
+
+def _popen(argv: Sequence[str], stderr: Any, env: Mapping[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        _guarded(argv),
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        env={**env, "PYTHONUNBUFFERED": "1"},
+        text=True,
+        start_new_session=True,  # Ctrl-C reaches only us: we stop them in order
+    )
 
 
 def wait_ready(children: Sequence[ReadyChild], deadline: float) -> None:

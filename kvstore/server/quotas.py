@@ -73,6 +73,19 @@ class TenantQuota:
     def __post_init__(self) -> None:
         object.__setattr__(self, "tier_bytes", MappingProxyType(dict(self.tier_bytes)))
 
+    def share(self, count: int) -> TenantQuota:
+        """This quota over ``count`` (see :meth:`Quotas.share`)."""
+
+        def part(v: int) -> int:
+            return -(-v // count) if v > 0 else 0
+
+        return TenantQuota(
+            self.tenant,
+            {t: part(v) for t, v in self.tier_bytes.items()},
+            part(self.reservations),
+            part(self.reserved_bytes),
+        )
+
     def budget(self, namespaces: Iterable[bytes]) -> Budget:
         """The node's Budget for this quota over the tenant's namespace fingerprints."""
         return Budget(
@@ -115,6 +128,15 @@ class Quotas:
                 raise ConfigError(f"{where}: no token in this file is for tenant {tenant!r}")
             out.append(_parse(where, tenant, table))
         return cls(out)
+
+    def share(self, count: int) -> Quotas:
+        """Each tenant's quota divided among ``count`` shards of one node (rounded up,
+        at least 1 of anything limited): a key's shard is a uniform hash, so a tenant
+        near its quota is near it on every shard, and the node as a whole holds at most
+        the quota (plus rounding)."""
+        if count <= 1:
+            return self
+        return Quotas(q.share(count) for q in self._by_tenant.values())
 
     def get(self, tenant: str) -> TenantQuota | None:
         """A tenant's quota; None when it has none (unlimited)."""

@@ -40,13 +40,15 @@ from kvstore.server.auth import TokenTable
 from kvstore.server.dataserver import DataServer
 from kvstore.server.gateway import Gateway
 from kvstore.server.kv_events import KVEventsPublisher
-from kvstore.server.membership import Membership, node_record
+from kvstore.server.membership import Membership, advertised_host, join_address, node_record
 from kvstore.server.namespaces import NamespaceRegistry
 from kvstore.server.quotas import Quotas
 from kvstore.server.service import StoreServicer, add_to_server
+from kvstore.server.shards import ShardPlan, run_sharded, shard_count
 from kvstore.tenants import Principal
 from kvstore.tier_kinds import TierKind
 from kvstore.wire.locality import host_id, hostname
+from kvstore.wire.shards import ShardRole
 
 __all__ = ["StoreServer", "add_parser", "load_configs"]
 
@@ -55,13 +57,23 @@ VERSION = "0.1.0"
 
 
 class StoreServer:
-    """Serves one node. ``await start()``, then ``await stop()`` (or ``serve()``)."""
+    """Serves one node. ``await start()``, then ``await stop()`` (or ``serve()``).
 
-    def __init__(self, node_config: NodeConfig, config: ServerConfig) -> None:
+    ``shard``: this server is one shard of a node split across processes
+    (kvstore/server/shards.py starts them): it says so in Info and in its directory
+    record, and holds 1/count of each tenant's quota, as it holds 1/count of the keys."""
+
+    def __init__(
+        self, node_config: NodeConfig, config: ServerConfig, shard: ShardRole | None = None
+    ) -> None:
+        if shard is not None and node_config.node_id != shard.node_id:
+            raise ConfigError(f"node_id {node_config.node_id!r}: shard is {shard.node_id!r}")
         self.config = config
+        self.shard = shard
         self.tokens = TokenTable.from_config(config)  # refuses a bad tokens file now
         self.node_config = shared_memory_for(node_config, config, self.tokens.tenants)
-        self.quotas = Quotas.from_config(config)  # and bad quotas in it
+        quotas = Quotas.from_config(config)  # and bad quotas in it
+        self.quotas = quotas.share(shard.count) if shard is not None else quotas
         self.instance_id = secrets.token_hex(8)
         self.port = 0
         self.data_port = 0
@@ -114,6 +126,9 @@ class StoreServer:
         assert self.node is not None
         assert self._gateway is not None
         info = node_record(self.node, self.config, self.port, self.data_port, self.instance_id)
+        if self.shard is not None:
+            s = self.shard
+            info = dataclasses.replace(info, group=s.group, shard=s.index, shards=s.count)
         info = dataclasses.replace(info, draining=self._gateway.draining)
         self.membership = Membership(self.node, self.config, info)
         self._gateway.on_drain = self.membership.set_draining  # Drain RPC -> directory
@@ -201,7 +216,22 @@ class StoreServer:
             put_layers=True,
             put_credits=bool(node.shm_name),
             ucx=self._data is not None and self._data.ucx,
+            **self._shard_info(),
         )
+
+    def _shard_info(self) -> dict[str, Any]:
+        """Info's shard fields: none for a whole node; shard 0 lists every shard."""
+        s = self.shard
+        if s is None:
+            return {}
+        own = join_address(advertised_host(self.config), self.port)  # known once bound
+        peers = [
+            pb.Shard(
+                index=p.index, address=own if p.index == s.index else p.address, node_id=p.node_id
+            )
+            for p in s.peers
+        ]
+        return {"group": s.group, "shard": s.index, "shard_count": s.count, "shards": peers}
 
     async def stop(self, grace: float = 1.0) -> None:
         """Leave the cluster, stop listening, end connections and leases, close the
@@ -328,6 +358,8 @@ _SERVER_FLAGS = {
     "kv_events_replay_endpoint": "ZMQ ROUTER endpoint answering KV-event replay requests",
     "kv_events_topic": "topic of the KV-event batches (default kvstore)",
     "kv_events_block_size": "tokens per block, as the KV events report it (default 16)",
+    "shards": "processes serving this node: auto (one per two cores, at most 8, >= 1GiB "
+    "DRAM each) or a number; each is a node <node-id>.s<i> with 1/N of the capacity",
 }
 
 
@@ -358,6 +390,7 @@ def add_parser(sub: Any) -> None:
         help="poll for clients even while the host has more runnable tasks than CPUs",
     )
     p.add_argument("--json", action="store_true", help="print the ready line as JSON")
+    p.add_argument("--shard-role", help=argparse.SUPPRESS)  # set by the shard supervisor
     p.set_defaults(func=_cmd_serve)
 
 
@@ -375,12 +408,22 @@ def load_configs(
     return node, server
 
 
+_PASSED_ON = (
+    {"config", "allow_anonymous", "data_poll_crowded"} | set(_NODE_FLAGS) | set(_SERVER_FLAGS)
+)  # the flags a shard gets from its supervisor's command line
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     node_cfg, cfg = load_configs(vars(args))
-    server = StoreServer(node_cfg, cfg)
+    role = ShardRole.from_json(args.shard_role) if args.shard_role else None
+    count = shard_count(node_cfg, cfg)
+    if role is None and count > 1:
+        given = {k: v for k, v in vars(args).items() if k in _PASSED_ON}
+        return run_sharded(ShardPlan(node_cfg, cfg, count, given), args.json)
+    server = StoreServer(node_cfg, cfg, role)
 
     def ready(s: StoreServer) -> None:
         assert s.node is not None
