@@ -56,7 +56,7 @@ def _conv_key(r: TraceRequest) -> Any:
 def make_slice(args: argparse.Namespace) -> list[dict[str, Any]]:
     """The slice's requests: hash_ids (cut to the prompt cap), prompt length, output
     length, arrival (s). Deterministic in ``args.seed``."""
-    rs = load_trace(TRACE)
+    rs = load_trace(Path(args.trace))
     keys = {_conv_key(r) for r in rs[: args.sessions]}
     chosen = [r for r in rs if _conv_key(r) in keys]
     rng = random.Random(args.seed)
@@ -314,6 +314,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--policies", default="cache_aware,round_robin,least_loaded,longest_prefix")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--trace", default=str(TRACE), help="conversation trace (JSONL)")
     p.add_argument("--sessions", type=int, default=40, help="conversations: first N requests'")
     p.add_argument("--block-tokens", type=int, default=64, help="tokens per trace block")
     p.add_argument("--max-prompt", type=int, default=1900)

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The GPU machine's checks, in one call of at most 5 minutes: the tests marked `cuda`,
-# benchmarks/bench_gpu.py, and (DEVICE_CHECK_CORES=1, when time allows) the 16-core
-# aggregate of benchmarks/bench_service.py (1-8 client processes). Every figure goes to
-# one file, $OUT/device_figures.md, beside the logs.
+# The GPU machine's checks, in one call: the tests marked `cuda` and benchmarks/bench_gpu.py
+# (about 5 minutes), then with DEVICE_CHECK_CORES=1 issue 32's 16-core figures:
+# benchmarks/bench_scaling.py (1-8 client processes, 1 and 8 shards, Redis beside) and
+# benchmarks/bench_router.py with 4 prefill and 2 decode workers (about 5 more minutes).
+# DEVICE_CHECK_GPU=0 skips the GPU part (a cores-only call). Every figure goes to one
+# file, $OUT/device_figures.md, beside the logs.
 #
 # That machine has no package registry. Prepare what it lacks first, on a machine that
 # has one (it writes the git-ignored .device/):
@@ -46,17 +48,24 @@ export LD_LIBRARY_PATH="$PWD/.device/root/usr/lib/x86_64-linux-gnu:$PWD/.device/
     python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
 } | tee -a "$FIGURES"
 
-step "tests marked cuda"
-timeout 150 python3 -m pytest -q -m cuda -p no:cacheprovider -o addopts="" tests/gpu \
-    2>&1 | tee "$OUT/cuda_tests.log" | tail -25
-tail -3 "$OUT/cuda_tests.log" >> "$FIGURES"
+if [ "${DEVICE_CHECK_GPU:-1}" = "1" ]; then
+    step "tests marked cuda"
+    timeout 150 python3 -m pytest -q -m cuda -p no:cacheprovider -o addopts="" tests/gpu \
+        2>&1 | tee "$OUT/cuda_tests.log" | tail -25
+    tail -3 "$OUT/cuda_tests.log" >> "$FIGURES"
 
-step "benchmarks/bench_gpu.py"
-timeout 150 python3 benchmarks/bench_gpu.py --runs 5 --out "$FIGURES" 2>&1 | tee "$OUT/bench_gpu.log" | tail -30
+    step "benchmarks/bench_gpu.py"
+    timeout 150 python3 benchmarks/bench_gpu.py --runs 5 --out "$FIGURES" 2>&1 | tee "$OUT/bench_gpu.log" | tail -30
+fi
 
-if [ "${DEVICE_CHECK_CORES:-0}" = "1" ] && [ $((SECONDS - START)) -lt 200 ]; then
-    step "benchmarks/bench_service.py, 1-8 client processes beside Redis (issue 32)"
-    timeout 120 python3 benchmarks/bench_service.py --runs 1 --no-mooncake --clients 1,2,4,8 \
-        2>&1 | tee "$OUT/bench_service.log" | tail -40 | tee -a "$FIGURES"
+if [ "${DEVICE_CHECK_CORES:-0}" = "1" ]; then
+    step "benchmarks/bench_scaling.py: 1-8 client processes, 1 and 8 shards, Redis beside (issue 32)"
+    timeout 200 python3 benchmarks/bench_scaling.py --runs 1 --shards 1,8 --clients 1,2,4,8 \
+        2>&1 | tee "$OUT/bench_scaling.log" | tail -30 | tee -a "$FIGURES"
+    step "benchmarks/bench_router.py: 4 prefill, 2 decode workers (issue 32)"
+    timeout 150 python3 benchmarks/bench_router.py --prefill 4 --decode 2 --rounds 1 \
+        --policies cache_aware,round_robin --json "$OUT/bench_router.json" \
+        --trace .device/traces/conversation_trace.jsonl \
+        2>&1 | tee "$OUT/bench_router.log" | tail -30 | tee -a "$FIGURES"
 fi
 step "done"

@@ -21,7 +21,10 @@ mkdir -p "$DEV/wheels" "$DEV/debs" "$DEV/root"
 
 # grpcio and protobuf travel too: kvstore/_proto was generated for grpcio >= 1.85.1 and
 # protobuf >= 7.35.1, and the generated code refuses an older runtime.
-WHEELS=(lmdb aetcd starlette uvicorn "redis>=5" hiredis "grpcio==1.85.1" "protobuf>=7.35.1,<8")
+# The router's HTTP stack (httpx and what it needs), /metrics and psutil serve issue 32's
+# 16-core run (DEVICE_CHECK_CORES=1); a wheel the machine already has is only shadowed.
+WHEELS=(lmdb aetcd starlette uvicorn "redis>=5" hiredis "grpcio==1.85.1" "protobuf>=7.35.1,<8"
+    prometheus-client psutil httpx httpcore h11 anyio sniffio certifi idna)
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$DEV/wheels" "${WHEELS[@]}"
@@ -31,4 +34,8 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     >/dev/null)
 for deb in "$DEV"/debs/*.deb; do dpkg -x "$deb" "$DEV/root"; done
 rm -rf "$DEV/debs" "$DEV/root/usr/share/doc" "$DEV/root/usr/share/man"
+# benchmarks/bench_router.py replays the shared conversation trace, which lives beside
+# the checkout here and not on that machine.
+mkdir -p "$DEV/traces"
+cp ../shared/traces/conversation_trace.jsonl "$DEV/traces/"
 du -sh "$DEV" "$DEV"/*
