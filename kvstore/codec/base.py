@@ -15,7 +15,7 @@ subclass says only how a scaled float32 becomes its byte and back.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -92,6 +92,9 @@ class ScaledCodec(KVCodec):
 
     qmax: ClassVar[float]
     """Largest magnitude of the byte type (the head's absmax maps onto it)."""
+    unit: ClassVar[float] = 1.0
+    """What one in :meth:`_from_bytes`'s numbers is worth (the multiply by the scale
+    takes it in): fp8 decodes to values over 256 (kvstore/codec/fp8.py)."""
 
     @abstractmethod
     def _to_bytes(self, scaled: torch.Tensor, out: torch.Tensor) -> None:
@@ -99,9 +102,9 @@ class ScaledCodec(KVCodec):
         (uint8 of the same shape, one byte per element)."""
 
     @abstractmethod
-    def _from_bytes(self, values: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """What the bytes ``values`` (uint8) encode, as float32 of their shape: written
-        into ``out`` (contiguous) and returned, or a new tensor when that is faster."""
+    def _from_bytes(self, values: torch.Tensor, out: torch.Tensor) -> None:
+        """Write what the bytes ``values`` (uint8, rows may be strided) encode, in
+        :attr:`unit`, into ``out`` (float32 of their shape, contiguous)."""
 
     def encoded_nbytes(self, shape: Sequence[int]) -> int:
         return encoded_nbytes(shape)
@@ -156,9 +159,37 @@ class ScaledCodec(KVCodec):
         # float32 buffer (the products are rounded once, to the output's dtype).
         direct = out.dtype == torch.float32 and out.is_contiguous()
         x = out if direct else torch.empty(out.shape, dtype=torch.float32, device=out.device)
-        values = self._from_bytes(blocks[:, n:], x.view(count, -1))
-        rows_of = (count * rows, tokens * dim)
-        torch.mul(values.view(rows_of), scale.to(x.device).unsqueeze(1), out=x.view(rows_of))
+        width = tokens * dim
+        values = blocks[:, n:].view(count, rows, width)  # a view of the strided bytes
+        xs = x.view(count, rows, width)
+        step = scale.to(x.device).view(count, rows, 1)
+        if self.unit != 1.0:
+            step = step * self.unit
+        for b, r in _pieces(count, rows, width):
+            piece = xs[b, r]
+            self._from_bytes(values[b, r], piece)
+            piece.mul_(step[b, r])
         if not direct:
             out.copy_(x)
         return out
+
+
+DECODE_PIECE = 1 << 20
+"""Elements decoded at a time: the piece's float32 output (4 MiB) and a codec's scratch
+stay in cache between the conversion and the multiply by the scale, where whole-prefix
+passes went to memory and back for each (fp8 decoded 2.3x faster in pieces, on CPU)."""
+
+
+def _pieces(count: int, rows: int, width: int) -> Iterator[tuple[slice, slice]]:
+    """(blocks, rows) slices of about DECODE_PIECE elements, in order, each contiguous
+    in a contiguous ``[count, rows, width]`` tensor."""
+    per_block = rows * width
+    if per_block >= DECODE_PIECE:
+        step = max(1, DECODE_PIECE // width)
+        for i in range(count):
+            for r in range(0, rows, step):
+                yield slice(i, i + 1), slice(r, min(rows, r + step))
+        return
+    k = DECODE_PIECE // per_block
+    for i in range(0, count, k):
+        yield slice(i, min(count, i + k)), slice(0, rows)

@@ -26,5 +26,5 @@ class Int8Codec(ScaledCodec):
         scaled.round_().clamp_(-INT8_MAX, INT8_MAX)
         out.view(torch.int8).copy_(scaled)
 
-    def _from_bytes(self, values: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        return out.copy_(values.view(torch.int8))
+    def _from_bytes(self, values: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(values.view(torch.int8))

@@ -225,3 +225,27 @@ def test_layouts_parse_without_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.parametrize("piece", [1 << 20, 4096, 700, 1], ids=["default", "blocks", "rows", "row"])
+@pytest.mark.parametrize("name", ["fp8", "int8"])
+def test_decoding_in_pieces_is_exact(
+    name: str, piece: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode converts and scales a piece at a time (kvstore/codec/base.py): pieces of
+    several blocks, of some rows of one block, or of one row give exactly the values
+    of torch's own float8 / int8 conversion times each head's scale."""
+    import kvstore.codec.base as base
+
+    monkeypatch.setattr(base, "DECODE_PIECE", piece)
+    codec = get_codec(name)
+    stack = torch.stack([_block(torch.float32, seed=i) for i in range(5)])
+    data = codec.encode(stack)
+    out = codec.decode(data, torch.empty_like(stack))
+    per = encoded_nbytes(SHAPE)
+    rows = SHAPE[0] * SHAPE[1] * SHAPE[2]
+    raw = data.view(5, per)
+    scales = raw[:, : rows * 4].contiguous().view(torch.float32).view(5, rows, 1)
+    kind = torch.float8_e4m3fn if name == "fp8" else torch.int8
+    values = raw[:, rows * 4 :].contiguous().view(kind).float().view(5, rows, -1)
+    assert torch.equal(out.view(5, rows, -1), values * scales)
