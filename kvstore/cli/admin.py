@@ -138,14 +138,18 @@ def _error(name: str, exc: KVStoreError, where: str = "") -> None:
     print(f"hint: {hint}", file=sys.stderr)
 
 
-def connect(address: str, args: argparse.Namespace, *, admin: str = "") -> StoreClient:
-    """An open client of one node; with ``admin`` set, refuse a non-admin token early."""
+def connect(
+    address: str, args: argparse.Namespace, *, admin: str = "", whole_node: bool = True
+) -> StoreClient:
+    """An open client of one node; with ``admin`` set, refuse a non-admin token early.
+    ``whole_node=False``: of the dialled server alone, even if it is shard 0 of a
+    sharded node (for commands that walk the directory, where each shard is a node)."""
     cfg = ClientConfig.load(
         token=args.token, timeout_s=args.timeout, connect_timeout_s=min(args.timeout, 5.0)
     )
     if not cfg.token:
         raise ConfigError("no token: set KVSTORE_TOKEN or pass --token")
-    client = StoreClient.connect(address, config=cfg)
+    client = StoreClient.connect(address, config=cfg, whole_node=whole_node)
     info = client.server_info
     if admin and not info.get("admin", False):
         client.close()

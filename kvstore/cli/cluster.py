@@ -386,7 +386,10 @@ def _scan_nodes(
         if args.node and node_id != args.node:
             continue
         try:
-            with connect(info.address, args, admin="ls --tenant/--namespace") as c:
+            # Each shard of a sharded node is a node of the directory: list its own.
+            with connect(
+                info.address, args, admin="ls --tenant/--namespace", whole_node=False
+            ) as c:
                 blocks, truncated = AdminClient(c).scan_page(
                     MAX_SCAN,
                     args.tier or "",

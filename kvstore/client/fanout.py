@@ -1,4 +1,5 @@
-"""Running one sub-call per shard of a sharded node, side by side.
+"""Running one sub-call per shard of a sharded node, side by side, and putting their
+outcomes back together.
 
 A call on a sharded node (kvstore/client/sharded.py) becomes one sub-call per shard it
 involves. One shard: the sub-call runs on the caller's thread, since handing it to a

@@ -85,9 +85,11 @@ class ShardedClient:
             )
             for s in info.shards[1:]
         ]
-        self.node_ids = [s.node_id for s in info.shards]
+        for c in self.nodes[1:]:  # one client: one set of counters (retries, ...)
+            c.counters = first.counters
         self._ready = [True] + [False] * (self.count - 1)
-        self.fan = Fanout(min(64, 4 * (self.count - 1)))
+        # Each of the caller's threads (the async client has pool_size) may fan out.
+        self.fan = Fanout(min(64, (self.count - 1) * first.config.pool_size))
 
     # -- shards ---------------------------------------------------------------------------
 
