@@ -21,6 +21,7 @@ import pytest
 from kvstore import AsyncStoreClient, Namespace, StoreClient, prefix_keys
 from kvstore._proto import store_pb2 as pb
 from kvstore.client.admin import AdminClient
+from kvstore.client.drain import drain_node
 from kvstore.client.sharded import ShardedClient
 from kvstore.errors import ConflictError, KVStoreError
 from kvstore.wire.shards import shard_of
@@ -220,6 +221,38 @@ def test_admin_calls_see_the_whole_node(sharded_factory: ShardedFactory) -> None
         assert admin.purge([b.key for b in listed]) == 20
 
 
+def test_control_rpcs_answer_for_the_node(client: StoreClient) -> None:
+    keys = fresh(12)
+    on_both(keys)
+    assert client.batch_put(keys, values(12, 11)) == [True] * 12
+    extra = fresh(1)
+    present = client.control("Exists", pb.KeysRequest(keys=extra + keys)).present
+    assert list(present) == [False] + [True] * 12
+    stats = client.control("Stats", pb.StatsRequest())
+    assert stats.node_id == "sharded" and stats.blocks == client.stats()["blocks"]
+    assert client.control("Health", pb.HealthRequest()).status == pb.HealthResponse.SERVING
+    assert client.control("Info", pb.InfoRequest()).shard_count == 2
+    assert client.control("Remove", pb.KeysRequest(keys=keys + extra)).removed == 12
+
+
+def test_a_drain_moves_a_sharded_node_into_another(sharded_factory: ShardedFactory) -> None:
+    source, target = sharded_factory(group="source"), sharded_factory(group="target")
+    keys = fresh(20)
+    on_both(keys)
+    with source.client(ALPHA) as c:
+        assert c.batch_put(keys, values(20, 12)) == [True] * 20
+    with source.client(ADMIN) as src, target.client(ADMIN) as dst:
+        report = drain_node(src, [dst], page=7)
+        assert (report.moved, report.dropped, report.remaining) == (20, 0, 0)
+        assert src.health() == "draining" and src.stats()["blocks"] == 0
+        assert [s["blocks"] for s in dst.stats()["shards"]] == [
+            target.shard_blocks(0),
+            target.shard_blocks(1),
+        ]
+        assert dst.stats()["blocks"] == 20
+        assert target.shard_blocks(0) > 0 and target.shard_blocks(1) > 0
+
+
 def _shard_health(node: ShardedNode) -> list[str]:
     """Each shard's own health."""
     out = []
@@ -261,6 +294,29 @@ def test_a_stopped_shard_fails_only_its_own_keys(sharded_factory: ShardedFactory
             pending = [k for k, r in zip(pending, res, strict=True) if r is not True]
         assert pending == []
         assert c.batch_get(again) == [b"back"] * len(again)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])  # shm: lost at the commit; tcp: at a layer
+def test_a_layered_put_keeps_the_shards_that_live(
+    sharded_factory: ShardedFactory, transport: str
+) -> None:
+    node = sharded_factory()
+    keys = fresh(8)
+    on_both(keys)
+    lost = [shard_of(k, 2) == 1 for k in keys]
+    block = np.ones(SHAPE, np.float16)
+    opts = {"retries": 0, "timeout_s": 2.0, "connect_timeout_s": 2.0, "transport": transport}
+    with node.client(ALPHA, **opts) as c:
+        w = c.begin_layers(keys, shape=SHAPE, dtype=np.float16)
+        w.write(0, [block[:1]] * 8)
+        node.stop_shard(1)
+        for layer in range(1, SHAPE[0]):
+            w.write(layer, [block[layer : layer + 1]] * 8)
+        results = w.commit()
+        assert [isinstance(r, KVStoreError) for r in results] == lost
+        assert [r is True for r in results] == [not x for x in lost]
+        kept = [k for k, x in zip(keys, lost, strict=True) if not x]
+        assert all(np.array_equal(g, block) for g in c.batch_get(kept))
 
 
 def test_tenants_never_see_each_other_through_the_node(sharded_node: ShardedNode) -> None:
