@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, Protocol, Self
 
 import numpy as np
 
@@ -43,7 +43,7 @@ from kvstore.client.transport.base import LayerSink, Link, Links
 from kvstore.errors import InvalidValue, KVStoreError, ReservationError
 from kvstore.layout import DTYPE_SIZES
 
-__all__ = ["AsyncLayeredPut", "LayeredPut", "block_info"]
+__all__ = ["AsyncLayeredPut", "LayerWrite", "LayeredPut", "block_info"]
 
 
 def block_info(shape: Sequence[int], dtype: Any) -> ValueInfo:
@@ -66,6 +66,32 @@ def block_info(shape: Sequence[int], dtype: Any) -> ValueInfo:
     for d in dims:
         n *= d
     return ValueInfo(name, dims, kind, n)
+
+
+class LayerWrite(Protocol):
+    """What a layer-by-layer write offers: :class:`LayeredPut` on one node, or a cluster
+    client's write split over several (kvstore/client/split_layers.py)."""
+
+    keys: list[bytes]
+    on_commit: Callable[[Sequence[Any]], None] | None
+
+    def __enter__(self) -> Self: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+    @property
+    def written(self) -> int: ...
+
+    @property
+    def done(self) -> bool: ...
+
+    def write(self, layer: int, values: Sequence[Any]) -> None: ...
+
+    def write_stacked(self, layer: int, stacked: Any) -> None: ...
+
+    def commit(self, keep: Sequence[bool] | None = None) -> list[bool | KVStoreError | None]: ...
+
+    def abort(self) -> None: ...
 
 
 class LayeredPut:
@@ -108,6 +134,11 @@ class LayeredPut:
     def written(self) -> int:
         """Layers written so far."""
         return self._next
+
+    @property
+    def done(self) -> bool:
+        """Committed or aborted: nothing more can be written."""
+        return self._done
 
     def write(self, layer: int, values: Sequence[Any]) -> None:
         """Layers ``[layer, layer + k)`` of every block, in key order: each value a
@@ -222,7 +253,7 @@ class AsyncLayeredPut:
     holds one connection, used by one thread at a time. Leaving ``async with`` without
     a commit aborts, as the sync form does."""
 
-    def __init__(self, put: LayeredPut, run: Callable[..., Awaitable[Any]]) -> None:
+    def __init__(self, put: LayerWrite, run: Callable[..., Awaitable[Any]]) -> None:
         self.sync = put
         self._run = run
 
@@ -230,7 +261,7 @@ class AsyncLayeredPut:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if not self.sync._done:
+        if not self.sync.done:
             await self.abort()
 
     @property
