@@ -109,6 +109,8 @@ def render(console: Any, doc: Mapping[str, Any]) -> None:
 
     state = "[yellow]draining[/]" if doc["draining"] else "[green]serving[/]"
     who = f" · tenant [bold]{doc['tenant']}[/]" if doc["tenant"] else ""
+    if doc.get("shard_nodes"):  # a sharded node's totals (combine)
+        state += f" · {len(doc['shard_nodes'])} shards"
     console.print(
         f"[bold]{doc['node_id']}[/] {doc['address']} · {state} · {count(doc['blocks'])} "
         f"blocks, {count(doc['pinned'])} pinned{who}"

@@ -11,6 +11,7 @@ tests/cluster/test_cluster_shards.py.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -207,6 +208,33 @@ def test_a_layered_write_on_a_whole_node_is_one_plain_write(cluster: Cluster) ->
         assert not isinstance(lw, SplitLayeredPut)  # the unsharded path is unchanged
         lw.write(0, [block(i) for i in range(3)])
         assert lw.commit() == [True] * 3
+
+
+def test_the_async_client_writes_layers_split_by_shard(cluster: Cluster) -> None:
+    from kvstore import AsyncStoreClient
+
+    k = keys(6, seed=7)
+    blocks = [block(200 + i) for i in range(6)]
+
+    async def body() -> list[object]:
+        c = await AsyncStoreClient.from_etcd(
+            cluster="c",
+            token=TOKEN,
+            namespace=NS,
+            node_id="g",
+            connector=cluster.net,
+            directory=lambda: MemoryDirectory(cluster.backend, "c"),
+        )
+        try:
+            async with await c.begin_layers(k, shape=SHAPE, dtype=torch.float32) as lw:
+                assert isinstance(lw.sync, SplitLayeredPut)
+                await lw.write(0, blocks)
+                return await lw.commit()
+        finally:
+            await c.close()
+
+    assert asyncio.run(asyncio.wait_for(body(), 30)) == [True] * 6
+    assert [cluster.holders(key) for key in k] == [{f"g.s{shard_of(key, 2)}"} for key in k]
 
 
 def test_write_units_fold_shards_and_refuse_a_disputed_count() -> None:
