@@ -12,6 +12,7 @@ reports its keys with that error while the other parts' keys are stored.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any, Self
@@ -21,6 +22,8 @@ from kvstore.client.layered import LayeredPut
 from kvstore.errors import InvalidValue, KVStoreError, ReservationError
 
 __all__ = ["SplitLayeredPut"]
+
+log = logging.getLogger(__name__)
 
 Part = tuple[list[int], LayeredPut]  # the caller's positions of a part's keys, its write
 
@@ -84,7 +87,10 @@ class SplitLayeredPut:
         that failed has aborted itself) and raise its error."""
         errors = [e for e in self._map(lambda p: step(*p)) if e is not None]
         if errors:
-            self.abort()
+            try:
+                self.abort()
+            except KVStoreError as exc:  # the write failed already: say why it did
+                log.info("aborting a split layered write after a failure: %s", exc)
             raise errors[0]
 
     def commit(self, keep: Sequence[bool] | None = None) -> list[bool | KVStoreError | None]:

@@ -26,7 +26,7 @@ from kvstore.client.split_layers import SplitLayeredPut
 from kvstore.config import NodeConfig
 from kvstore.directory import MemoryBackend, MemoryDirectory, NodeInfo, Replica
 from kvstore.directory.background import BackgroundDirectory
-from kvstore.errors import InvalidValue
+from kvstore.errors import InvalidValue, KVStoreError
 from kvstore.node.store import StoreNode
 from kvstore.tenants import Principal
 from kvstore.tier_kinds import TierKind
@@ -199,6 +199,20 @@ def test_a_layered_write_is_split_by_shard_and_commits_in_key_order(cluster: Clu
         assert all(torch.equal(got[i], blocks[i]) for i in range(10) if i != 3)
     for i, key in enumerate(k):
         assert cluster.holders(key) == (set() if i == 3 else {f"g.s{shard_of(key, 2)}"})
+
+
+def test_a_shard_failing_mid_write_aborts_every_part(cluster: Cluster) -> None:
+    k = keys(10, seed=8)
+    blocks = [block(300 + i) for i in range(10)]
+    with cluster.client(node_id="g").open() as w:
+        lw = w.begin_layers(k, shape=SHAPE, dtype=torch.float32)
+        lw.write(0, [b[0:1] for b in blocks])
+        cluster.net.stop(ADDRESSES["g.s1"])  # its link breaks on the next layer
+        with pytest.raises(KVStoreError):
+            lw.write(1, [b[1:2] for b in blocks])
+        assert lw.done
+        cluster.net.start(ADDRESSES["g.s1"])
+    assert all(cluster.holders(key) == set() for key in k)  # shard 0's keys were not kept
 
 
 def test_a_layered_write_on_a_whole_node_is_one_plain_write(cluster: Cluster) -> None:
