@@ -1,32 +1,39 @@
-"""Running one sub-call per shard of a sharded node, side by side, and putting their
-outcomes back together.
+"""Calls on several servers at once: the shards of a sharded node, the nodes of a cluster.
 
 A call on a sharded node (kvstore/client/sharded.py) becomes one sub-call per shard it
-involves. One shard: the sub-call runs on the caller's thread, since handing it to a
-thread costs ~60 us on this project's hosts, a third of a 1 MiB shared-memory get.
-Several: the first runs on the caller's thread and the rest on a small pool created at
-the first such call, so their round trips overlap (blocking socket I/O and copies
-release the GIL).
+involves, and a cluster client's call one per node holding its keys or per shard a
+write is split over (kvstore/client/cluster_writes.py). One sub-call runs on the
+caller's thread, since handing it to a thread costs ~60 us on this project's hosts, a
+third of a 1 MiB shared-memory get (the common unsharded call pays nothing). Several
+run side by side on a small pool created at the first such call, so their round trips
+overlap (blocking socket I/O and copies release the GIL), and every one has finished
+before the call returns: a read still landing in the caller's buffers after the call
+returned would hand over bytes nobody checked, and a caller undoing what some started
+when another failed must know them all.
 
-A sub-call's KVStoreError is its outcome (a shard down or restarting fails its own
-keys, not the others'); any other exception is a bug or a bad argument and is raised,
-but only once every sub-call has returned: a read still landing in the caller's buffers
-after the call returned would hand over bytes nobody checked.
+:meth:`FanOut.run` (shards) makes a sub-call's KVStoreError its outcome (a shard down or
+restarting fails its own keys, not the others') and raises anything else once all have
+returned; :meth:`FanOut.each` (cluster nodes) hands back every result or exception for
+the caller to sort into node failures and the call's own errors. :func:`share` splits
+the time left among the attempts a call may still make, so a hung node costs its
+share, not the whole deadline.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from kvstore.errors import ClosedError, KVStoreError
+from kvstore.errors import ClosedError, KVStoreError, TimeoutError_
 
-__all__ = ["Fanout", "Groups", "leading_run", "pick", "raise_any", "scatter"]
+__all__ = ["FanOut", "Groups", "Item", "leading_run", "pick", "raise_any", "scatter", "share"]
 
 T = TypeVar("T")
 Groups = list[tuple[int, list[int]]]  # (shard, positions of its keys in the call)
+Item = tuple[str, list[int]]  # a node id and the positions of the call's keys it gets
 
 
 def _outcome(call: Callable[[], T]) -> T | KVStoreError:
@@ -36,7 +43,7 @@ def _outcome(call: Callable[[], T]) -> T | KVStoreError:
         return exc
 
 
-class Fanout:
+class FanOut:
     """Runs sub-calls in parallel on a lazily created pool of ``workers`` threads.
 
     Thread-safe; pool threads never submit to the pool, so a full pool only queues."""
@@ -69,10 +76,26 @@ class Fanout:
             raise failure
         return out
 
+    def each(
+        self, items: dict[str, list[int]], fn: Callable[[Item], Any]
+    ) -> list[tuple[Item, Any]]:
+        """``fn`` of each (node, positions) item, in parallel when there are several,
+        each paired with its result or the exception it raised."""
+
+        def one(item: Item) -> Any:
+            try:
+                return fn(item)
+            except Exception as exc:
+                return exc
+
+        pairs = list(items.items())
+        outs = [one(it) for it in pairs] if len(pairs) <= 1 else self._executor().map(one, pairs)
+        return list(zip(pairs, outs, strict=True))
+
     def _executor(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._closed:
-                raise ClosedError("StoreClient is closed")
+                raise ClosedError("client is closed")
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix=self._name)
             return self._pool
@@ -127,3 +150,12 @@ def leading_run(n: int, groups: Groups, matched: Sequence[int]) -> int:
         if m < len(idx):
             end = min(end, idx[m])
     return end
+
+
+def share(deadline: float, tries: int) -> float:
+    """One attempt's time: what is left until ``deadline`` split evenly among the
+    ``tries`` attempts still possible (this one included); TimeoutError_ once past it."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError_("deadline passed before the call")
+    return left / max(tries, 1)

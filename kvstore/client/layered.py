@@ -35,7 +35,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Self
+from typing import Any, Protocol, Self
 
 import numpy as np
 
@@ -44,7 +44,7 @@ from kvstore.client.transport.base import LayerSink, Link, Links
 from kvstore.errors import InvalidValue, KVStoreError, ReservationError
 from kvstore.layout import DTYPE_SIZES
 
-__all__ = ["AsyncLayeredPut", "LayeredPut", "LinkLayeredPut", "block_info"]
+__all__ = ["AsyncLayeredPut", "LayerWrite", "LayeredPut", "LinkLayeredPut", "block_info"]
 
 
 def block_info(shape: Sequence[int], dtype: Any) -> ValueInfo:
@@ -67,6 +67,32 @@ def block_info(shape: Sequence[int], dtype: Any) -> ValueInfo:
     for d in dims:
         n *= d
     return ValueInfo(name, dims, kind, n)
+
+
+class LayerWrite(Protocol):
+    """What a layer-by-layer write offers: :class:`LayeredPut` on one node, or a cluster
+    client's write split over several (kvstore/client/split_layers.py)."""
+
+    keys: list[bytes]
+    on_commit: Callable[[Sequence[Any]], None] | None
+
+    def __enter__(self) -> Self: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+    @property
+    def written(self) -> int: ...
+
+    @property
+    def done(self) -> bool: ...
+
+    def write(self, layer: int, values: Sequence[Any]) -> None: ...
+
+    def write_stacked(self, layer: int, stacked: Any) -> None: ...
+
+    def commit(self, keep: Sequence[bool] | None = None) -> list[bool | KVStoreError | None]: ...
+
+    def abort(self) -> None: ...
 
 
 class LayeredPut(ABC):
@@ -100,6 +126,11 @@ class LayeredPut(ABC):
     def written(self) -> int:
         """Layers written so far."""
         return self._next
+
+    @property
+    def done(self) -> bool:
+        """Committed or aborted: nothing more can be written."""
+        return self._done
 
     def write(self, layer: int, values: Sequence[Any]) -> None:
         """Layers ``[layer, layer + k)`` of every block, in key order: each value a
@@ -256,7 +287,7 @@ class AsyncLayeredPut:
     holds one connection, used by one thread at a time. Leaving ``async with`` without
     a commit aborts, as the sync form does."""
 
-    def __init__(self, put: LayeredPut, run: Callable[..., Awaitable[Any]]) -> None:
+    def __init__(self, put: LayerWrite, run: Callable[..., Awaitable[Any]]) -> None:
         self.sync = put
         self._run = run
 
@@ -264,7 +295,7 @@ class AsyncLayeredPut:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if not self.sync._done:
+        if not self.sync.done:
             await self.abort()
 
     @property

@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 
 from kvstore._proto import store_pb2 as pb
 from kvstore.client.base import one
-from kvstore.client.fanout import Fanout, Groups, leading_run, pick, raise_any, scatter
+from kvstore.client.fanout import FanOut, Groups, leading_run, pick, raise_any, scatter
 from kvstore.client.layered import LayeredPut, block_info
 from kvstore.client.sharded_control import merge_stats, shard_control
 from kvstore.client.sharded_layers import ShardedLayeredPut
@@ -89,7 +89,7 @@ class ShardedClient:
             c.counters = first.counters
         self._ready = [True] + [False] * (self.count - 1)
         # Each of the caller's threads (the async client has pool_size) may fan out.
-        self.fan = Fanout(min(64, (self.count - 1) * first.config.pool_size))
+        self.fan = FanOut(min(64, (self.count - 1) * first.config.pool_size))
 
     # -- shards ---------------------------------------------------------------------------
 

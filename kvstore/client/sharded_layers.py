@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvstore.blocks import ValueInfo
-from kvstore.client.fanout import Fanout
+from kvstore.client.fanout import FanOut
 from kvstore.client.layered import LayeredPut
 from kvstore.errors import KVStoreError
 
@@ -44,7 +44,7 @@ class ShardedLayeredPut(LayeredPut):
         info: ValueInfo,
         timeout_s: float,
         parts: Sequence[Part],
-        fan: Fanout,
+        fan: FanOut,
     ) -> None:
         super().__init__(keys, info, timeout_s)
         self._parts = list(parts)
@@ -58,7 +58,7 @@ class ShardedLayeredPut(LayeredPut):
         timeout_s: float,
         groups: Sequence[list[int]],
         started: Sequence[LayeredPut | KVStoreError],
-        fan: Fanout,
+        fan: FanOut,
     ) -> ShardedLayeredPut:
         """The write over the shards' writes as they started (an error where one did
         not); raises when none did."""
