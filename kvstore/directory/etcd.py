@@ -189,19 +189,23 @@ def _build_txns(head: bytes, tail: bytes, lease: int, ops: list[WriteOp]) -> lis
 async def _keepalive_reply(
     stub: rpc.LeaseStub, lease: int, timeout: float
 ) -> rpc.LeaseKeepAliveResponse | None:
-    """One LeaseKeepAlive round trip on a stream that ends here (None: no reply).
+    """One LeaseKeepAlive round trip on a stream read to its end (None: no reply).
 
     Not aetcd's ``refresh_lease``: it returns from inside ``async for`` over the call,
     which leaves the call's response generator suspended and holding the call, a cycle
     that only the cyclic GC frees; until then the call keeps its channel alive after
-    ``close()``, socket and all (issue 33). ``read()`` makes no generator. (It would
-    also dial a fresh channel if it ran after the client closed.)
+    ``close()``, socket and all (issue 33). (It would also dial a fresh channel if it
+    ran after the client closed.) ``read()`` to EOF leaves no generator suspended, on
+    a plain call or one through the auth interceptors (whose ``read()`` makes one).
     """
     call = stub.LeaseKeepAlive(iter([rpc.LeaseKeepAliveRequest(ID=lease)]), timeout=timeout)
     try:
         reply = await call.read()
+        if reply is not grpc.aio.EOF:
+            with contextlib.suppress(grpc.RpcError):  # the reply is what counts
+                await call.read()  # EOF at once: etcd ends the stream on our half-close
     finally:
-        call.cancel()  # etcd ends the stream after our half-close; no need to wait for it
+        call.cancel()
     return None if reply is grpc.aio.EOF else reply
 
 

@@ -6,7 +6,9 @@ on it is freed. A call that failed during the outage (the watch, a publish, a ra
 a keepalive stream, held by a reference cycle, is freed only when the cyclic GC happens
 to run: until then the closed channel kept its new connection, and the process a socket
 to etcd (2 of 5 soak runs). The automatic GC is off here, so such a cycle fails the test
-every time rather than by chance.
+every time rather than by chance. With etcd auth, every call also passes through the
+token interceptors (kvstore/directory/etcd_client.py), and etcd forgets tokens when it
+restarts.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ import pytest
 
 from benchmarks.soak_report import proc_facts
 from kvstore import StoreClient
+from kvstore.config import EtcdAuth
 from kvstore.directory import NodeInfo
 from kvstore.directory.background import BackgroundDirectory
-from kvstore.directory.etcd_process import EtcdProcess
+from kvstore.directory.etcd_process import EtcdProcess, EtcdUser
 from kvstore.errors import KVStoreError
 from kvstore.events import BlockStored
 from kvstore.tier_kinds import TierKind
@@ -36,6 +39,7 @@ from kvstore.directory.etcd import EtcdDirectory
 
 ROUNDS = 3  # restarts, each with clients opened before and closed after it
 CLUSTER = "sockets"
+USER = EtcdAuth(user="sockets-user", password="sockets-password-0123")
 
 
 @pytest.fixture
@@ -81,11 +85,14 @@ def _publish_after_restart(node: BackgroundDirectory, node_id: str) -> int:
             time.sleep(0.1)
 
 
-def _one_round(etcd: EtcdProcess, r: int) -> None:
+def _one_round(etcd: EtcdProcess, auth: EtcdAuth, r: int) -> None:
     """A cluster client and a registered, publishing node directory across one restart;
     both are closed once the client's watch has seen a write made after it."""
-    client = StoreClient.from_etcd(etcd.endpoint, cluster=CLUSTER, connect_timeout_s=5.0)
-    node = BackgroundDirectory(lambda: EtcdDirectory(etcd.endpoint, CLUSTER), timeout=5.0)
+    creds = {"etcd_user": auth.user, "etcd_password": auth.password}
+    client = StoreClient.from_etcd(etcd.endpoint, cluster=CLUSTER, connect_timeout_s=5.0, **creds)
+    node = BackgroundDirectory(
+        lambda: EtcdDirectory(etcd.endpoint, CLUSTER, auth=auth), timeout=5.0
+    )
     stop = threading.Event()
     publisher = threading.Thread(target=_publisher, args=(node, f"n{r}", stop))
     try:
@@ -104,12 +111,17 @@ def _one_round(etcd: EtcdProcess, r: int) -> None:
         node.close()
 
 
+@pytest.mark.parametrize("with_auth", [False, True], ids=["plain", "auth"])
 def test_no_socket_to_etcd_outlives_closed_clients_across_etcd_restarts(
-    etcd_private: EtcdProcess, no_automatic_gc: None
+    etcd_private: EtcdProcess, no_automatic_gc: None, with_auth: bool
 ) -> None:
+    auth = EtcdAuth()
+    if with_auth:
+        etcd_private.enable_auth("root-password-0123", [EtcdUser(USER.user, USER.password, b"/")])
+        auth = USER
     port = etcd_private.client_port
     for r in range(ROUNDS):
-        _one_round(etcd_private, r)
+        _one_round(etcd_private, auth, r)
         # Closing is finished by gRPC's own threads a moment after close() returns.
         try:
             wait_until(lambda: not sockets_to(port), "every socket to etcd to close", 5.0)
