@@ -325,9 +325,7 @@ def _scan_nodes(
             continue
         try:
             # Each shard of a sharded node is a node of the directory: list its own.
-            with connect(
-                info.address, args, admin="ls --tenant/--namespace"
-            ) as c:
+            with connect(info.address, args, admin="ls --tenant/--namespace") as c:
                 blocks, truncated = AdminClient(c).scan_page(
                     MAX_SCAN,
                     args.tier or "",

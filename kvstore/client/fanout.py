@@ -92,6 +92,11 @@ class FanOut:
         outs = [one(it) for it in pairs] if len(pairs) <= 1 else self._executor().map(one, pairs)
         return list(zip(pairs, outs, strict=True))
 
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        """The pool, started on first use (for callers that schedule their own work)."""
+        return self._executor()
+
     def _executor(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._closed:
