@@ -77,7 +77,7 @@ class PrefillStats:
 @dataclass(frozen=True, slots=True)
 class FetchStats:
     """A decode worker's read of a handoff's KV: blocks and stored bytes that arrived,
-    and the seconds from the first request to the last block decoded into the engine's
+    and the seconds from the first request to the KV cache rebuilt in the engine's
     dtype on its device (a compressed namespace's bytes are fewer, and decoded here)."""
 
     blocks: int = 0
@@ -291,14 +291,14 @@ class DecodeWorker:
             return None
         keys = list(ad.keys(ids)[:shared]) + handoff.scoped_keys()
         t0 = time.perf_counter()
-        got, buf = ad.fetch_blocks(self.store, keys)  # one batch, one device tensor
-        if ad.device.type == "cuda":  # the decode is queued: the time is its end's
+        got, cache = ad.load_cache(self.store, keys, tokens=len(ids))  # one batch
+        if ad.device.type == "cuda":  # the copies are queued: the time is their end's
             torch.cuda.synchronize(ad.device)
         self.last_fetch = FetchStats(got, got * ad.stored_block_bytes, time.perf_counter() - t0)
         if got < len(keys):
             return None
         self.last_loaded_blocks = shared
-        return ad.cache_from_blocks(buf, tokens=len(ids))
+        return cache
 
     @torch.inference_mode()
     def _recomputed_cache(self, handoff: Handoff) -> Any:

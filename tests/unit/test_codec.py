@@ -141,6 +141,25 @@ def test_non_contiguous_input_and_output() -> None:
     torch.testing.assert_close(out, codec.decode(data, torch.empty(SHAPE)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["fp8", "int8"])
+def test_a_prefix_decodes_straight_into_a_cache_layout(name: str, dtype: torch.dtype) -> None:
+    """Blocks that are views of a KV cache's [layers, 2, heads, tokens, dim] storage (the
+    adapter's compressed read) decode in place to the very values a contiguous stack
+    gets, so the cache needs no second copy."""
+    codec = get_codec(name)
+    n, (layers, _, heads, bt, dim) = 5, SHAPE
+    stack = torch.stack([torch.randn(SHAPE) * (i + 1) for i in range(n)]).to(dtype)
+    data = codec.encode(stack)
+    want = codec.decode(data, torch.empty(n, *SHAPE, dtype=dtype))
+    cache = torch.full((layers, 2, heads, n * bt, dim), float("nan"), dtype=dtype)
+    view = cache.view(layers, 2, heads, n, bt, dim).permute(3, 0, 1, 2, 4, 5)
+    assert not view.is_contiguous()
+    codec.decode(data, view)
+    assert torch.equal(view, want)
+    assert not cache.isnan().any()  # every element written
+
+
 @pytest.mark.parametrize("shape", [SHAPE, (2, 2, 1, 1, 127)], ids=["aligned", "odd-size"])
 @pytest.mark.parametrize("name", ["fp8", "int8"])
 def test_a_stack_of_blocks_is_its_blocks_back_to_back(name: str, shape: tuple) -> None:
