@@ -225,8 +225,9 @@ class HFKVAdapter:
 
         Uncompressed blocks land in one ``[n, L, 2, H, B, D]`` tensor and are copied
         into the cache's tensors (a byte copy fills whole blocks only). Compressed
-        blocks land as bytes and are decoded straight into the cache's storage, one
-        pass: the read the codec saves is not spent again on a second copy.
+        blocks land as bytes and each layer is decoded straight into that layer's own
+        keys and values tensor (``decode(layers=...)``): one pass, and no prefix-sized
+        tensor, whose fresh pages would cost a fault per 4 KiB on every read.
         """
         n = len(keys)
         if self.codec is None or n == 0:
@@ -238,15 +239,18 @@ class HFKVAdapter:
         if got == 0:
             return 0, None
         L, _, H, B, D = self.block_shape
-        kv = torch.empty((L, 2, 1, H, got * B, D), dtype=self.dtype, device=self.device)
-        try:  # the blocks as views of the cache's storage: [got, L, 2, H, B, D]
-            self.codec.decode(land[:got], kv.view(L, 2, H, got, B, D).permute(3, 0, 1, 2, 4, 5))
-        except KVStoreError:  # a verified block with a bad scale: refuse the prefix
-            return 0, None
         t = tokens if tokens is not None and got == n else got * B
         if not 0 <= t <= got * B:
             raise ValueError(f"{t} tokens do not fit {got} blocks of {B}")
-        data = [(kv[li, 0, :, :, :t], kv[li, 1, :, :, :t]) for li in range(L)]
+        data = []
+        for li in range(L):  # each layer's keys and values: their own tensor, as the cache's
+            kv = torch.empty((2, 1, H, got * B, D), dtype=self.dtype, device=self.device)
+            blocks = kv.view(2, H, got, B, D).permute(2, 0, 1, 3, 4).unsqueeze(1)
+            try:
+                self.codec.decode(land[:got], blocks, layers=(li, li + 1))
+            except KVStoreError:  # a verified block with a bad scale: refuse the prefix
+                return 0, None
+            data.append((kv[0, :, :, :t], kv[1, :, :, :t]))
         return got, self._cache(data)
 
     def _cache(self, data: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:

@@ -158,6 +158,16 @@ def test_a_prefix_decodes_straight_into_a_cache_layout(name: str, dtype: torch.d
     codec.decode(data, view)
     assert torch.equal(view, want)
     assert not cache.isnan().any()  # every element written
+    for li in range(layers):  # or one layer at a time, into that layer's own tensor
+        own = torch.empty((2, heads, n * bt, dim), dtype=dtype)
+        blocks = own.view(2, heads, n, bt, dim).permute(2, 0, 1, 3, 4).unsqueeze(1)
+        codec.decode(data, blocks, layers=(li, li + 1))
+        assert torch.equal(blocks, want[:, li : li + 1])
+    two = codec.decode(data, torch.empty(n, 2, *SHAPE[1:], dtype=dtype), layers=(0, 2))
+    assert torch.equal(two, want[:, :2])
+    for bad in ((0, layers + 1), (1, 1), (1, 3)):  # past the blocks, empty, or not out's
+        with pytest.raises(LayoutMismatch):
+            codec.decode(data, torch.empty(n, 1, *SHAPE[1:], dtype=dtype), layers=bad)
 
 
 @pytest.mark.parametrize("shape", [SHAPE, (2, 2, 1, 1, 127)], ids=["aligned", "odd-size"])
