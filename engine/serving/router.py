@@ -12,6 +12,9 @@ before the client saw anything is retried elsewhere; a decode stream that breaks
 after tokens were sent ends in an OpenAI-style error event.
 
 Every answer says where it went: ``usage.kvstore`` and ``x-kvstore-*`` headers.
+Prefill and decode workers are paired only within one KV codec
+(engine/serving/pairing.py): ``/v1/models`` and ``/health`` say each model's codec,
+unpaired workers are logged, and a request only they could serve is a 503.
 """
 
 from __future__ import annotations

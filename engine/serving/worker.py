@@ -10,7 +10,12 @@ Endpoints (JSON in; NDJSON out for the streaming ones, one object per line):
   lines for every token after the handoff's first, then ``{"done": ...}``.
 - ``POST /generate {request_id, prompt, rest?, max_tokens, stop_ids}`` -> ``{"prefill": ...}``,
   every token, ``{"done": ...}``: both phases here (short prompts).
-- ``GET /health`` -> the worker's record and counters.
+- ``GET /health`` -> the worker's record, counters, its KV codec, and its latest
+  prefill's stats and handoff read (``last_prefill``, ``last_decode``).
+
+``--kv-codec int8|fp8`` stores the worker's blocks compressed (kvstore/codec/), on its
+device; the codec is in its record, and the router pairs a prefill worker only with a
+decode worker of the same codec (engine/serving/pairing.py).
 
 A stream that ends without its ``done`` line was cut (the worker died): the router
 turns that into an error for its client, never into a short answer.
