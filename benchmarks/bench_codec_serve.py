@@ -170,7 +170,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
-RATIOS = ("decode_bytes", "decode_fetch_s", "prefill_fetch_s", "ttft_s", "router_ttft_s")
+RATIOS = (
+    "decode_bytes",
+    "decode_fetch_s",
+    "prefill_fetch_s",
+    "prefill_ttft_s",
+    "ttft_s",
+    "router_ttft_s",
+)
 ROWS = (
     ("decode worker: bytes fetched", "decode_bytes", lambda v: f"{v / 2**20:.1f} MiB"),
     ("decode worker: fetch + decode ms", "decode_fetch_s", lambda v: f"{v * 1e3:.1f}"),
