@@ -45,6 +45,7 @@ from engine.planning.scheduler import (
 from engine.serving.pairing import codec_pools, mismatch
 from engine.serving.registry import WorkerRecord
 from kvstore import Namespace, TierKind, prefix_keys
+from kvstore.client.groups import unit_names, unit_prefix
 from kvstore.errors import KVStoreError
 
 __all__ = ["Outstanding", "Placer", "PrefixView", "Route", "choose_decode", "proximity"]
@@ -119,7 +120,13 @@ class PrefixView:
         if scoped is None:
             return {node: [(TierKind.DRAM, n)] for node, n in recent.items()}
         mirror = self.client.mirror
-        counts = mirror.longest_prefix(scoped)
+        # A sharded store node is one node to a worker beside it (its record names the
+        # group): its prompt's blocks lie spread over its shards, so count per group.
+        names = unit_names(mirror.nodes())
+        if any(n != u for n, u in names.items()):
+            counts = unit_prefix(mirror.lookup(scoped), names)
+        else:
+            counts = mirror.longest_prefix(scoped)
         for node, n in recent.items():
             counts[node] = max(counts.get(node, 0), n)
         if not counts:
@@ -129,7 +136,8 @@ class PrefixView:
         for node, n in counts.items():
             runs: list[tuple[TierKind, int]] = []
             for i in range(n):  # a block only this router knows of yet: just written, DRAM
-                tier = next((r.tier for r in reps[i] if r.node_id == node), TierKind.DRAM)
+                held = (r.tier for r in reps[i] if names.get(r.node_id, r.node_id) == node)
+                tier = next(held, TierKind.DRAM)
                 if runs and runs[-1][0] == tier:
                     runs[-1] = (tier, runs[-1][1] + 1)
                 else:

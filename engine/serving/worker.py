@@ -47,6 +47,7 @@ from starlette.routing import Route
 from engine.serving.http_server import bind, serve_app
 from engine.serving.registry import ROLES, WorkerRecord, WorkerRegistration, resolve_directory
 from engine.serving.runtime import Faults, WorkerEngine
+from kvstore.client.groups import unit_addresses, unit_names
 from kvstore.codec.registry import codec_names
 
 __all__ = ["add_arguments", "build_app", "main", "run_worker"]
@@ -247,6 +248,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inject-token-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)
 
 
+def _units(cluster: Any) -> dict[str, str]:
+    """The store nodes a worker may sit beside, by name: a sharded node by its group."""
+    return unit_addresses(cluster.nodes())
+
+
 def _node_on_this_host(cluster: Any, wait_s: float = 15.0) -> str:
     """``--store-node auto``: the store node whose host id (boot id) is this host's, so a
     worker scheduled beside a node (a Kubernetes pod on the same machine) finds it
@@ -256,11 +262,14 @@ def _node_on_this_host(cluster: Any, wait_s: float = 15.0) -> str:
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         nodes = cluster.nodes()
-        here = sorted(n for n, info in nodes.items() if info.host_id and info.host_id == host_id())
+        names = unit_names(nodes)  # a sharded node is one node: its group's name
+        here = sorted(
+            {names[n] for n, info in nodes.items() if info.host_id and info.host_id == host_id()}
+        )
         if here:
             return str(here[0])
         if nodes and time.monotonic() > deadline - wait_s / 2:
-            first = sorted(nodes)[0]
+            first = sorted(set(names.values()))[0]
             logging.getLogger(__name__).warning(
                 "no store node on this host; writing to %s over the network", first
             )
@@ -282,12 +291,12 @@ def _store_clients(args: argparse.Namespace, namespace: Any) -> tuple[Any, Any, 
         if node_id not in guarded:
 
             def connect(nid: str = node_id) -> Any:
-                info = cluster.nodes().get(nid)
-                if info is None:
+                address = unit_addresses(cluster.nodes()).get(nid)
+                if address is None:
                     from kvstore.errors import Unavailable
 
                     raise Unavailable(f"store node {nid!r} is not in the directory")
-                return StoreClient.connect(info.address, namespace=namespace, **fast)
+                return StoreClient.connect(address, namespace=namespace, **fast)
 
             guarded[node_id] = GuardedStore(connect, retry_after_s=2.0, spawn=None)
         return guarded[node_id]
@@ -297,9 +306,9 @@ def _store_clients(args: argparse.Namespace, namespace: Any) -> tuple[Any, Any, 
         args.store_node = _node_on_this_host(cluster)
     if args.store_node:
         deadline = time.monotonic() + 15.0
-        while args.store_node not in cluster.nodes() and time.monotonic() < deadline:
+        while args.store_node not in _units(cluster) and time.monotonic() < deadline:
             time.sleep(0.1)
-        if args.store_node not in cluster.nodes():
+        if args.store_node not in _units(cluster):
             raise SystemExit(f"store node {args.store_node!r} is not registered in {args.etcd}")
         local = node_client(args.store_node)
     return cluster, local, node_client

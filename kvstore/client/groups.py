@@ -101,6 +101,17 @@ def unit_names(nodes: Mapping[str, NodeInfo]) -> dict[str, str]:
     return {n: info.group or n for n, info in nodes.items()}
 
 
+def unit_addresses(nodes: Mapping[str, NodeInfo]) -> dict[str, str]:
+    """Write unit name -> the address a client dials for it: a whole node's own, a
+    sharded node's shard 0 (whose Info lists every shard: kvstore/client/sharded.py).
+    A sharded node whose shard 0 is not registered (restarting) is left out."""
+    out = {n: info.address for n, info in nodes.items() if not info.group}
+    out.update(
+        {info.group: info.address for info in nodes.values() if info.group and info.shard == 0}
+    )
+    return out
+
+
 def unit_prefix(lookup: Sequence[tuple[Replica, ...]], names: Mapping[str, str]) -> dict[str, int]:
     """Per write unit, how many leading blocks some node of it holds (``lookup``: the
     mirror's replicas of each key, in order). A sharded node holds a prompt's blocks

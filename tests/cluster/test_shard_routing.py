@@ -281,3 +281,19 @@ def test_unit_prefix_counts_a_group_as_one_node() -> None:
     assert unit_prefix(lookup, names) == {"a": 2, "g": 4}
     assert unit_prefix([(Replica("gone", TierKind.DRAM, 1),)], names) == {}
     assert unit_prefix([], names) == {}
+
+
+def test_the_routers_prefix_view_counts_a_sharded_node_as_one(cluster: Cluster) -> None:
+    """The router (engine/serving/placement.py) credits a worker beside ``g`` with the
+    whole prefix its shards hold between them, at their tiers: counted per shard, the
+    run would stop at the first block the other shard took."""
+    from engine.serving.placement import PrefixView
+
+    k = keys(12)
+    with cluster.client(node_id="g").open() as w:
+        assert w.batch_put(k, [block(i) for i in range(12)]) == [True] * 12
+    cluster.publish()
+    with cluster.client(node_id="a").open() as r:
+        runs = PrefixView(r).runs(k)
+        assert runs == {"g": [(TierKind.DRAM, 12)]}
+        assert PrefixView(r).runs(k[:1] + keys(3, seed=9)) == {"g": [(TierKind.DRAM, 1)]}
