@@ -11,7 +11,9 @@ What "as close as the codec allows" means here, asserted in two halves:
 
 * the saver stores exactly the codec's encoding of the prompt's canonical KV: decoded,
   every element is within the codec's rounding of the uncompressed engine's block
-  (int8: half a step, scale / 2; fp8: 1/16 of the element, plus the subnormal step);
+  (int8: half a step, scale / 2; fp8: 1/16 of the element, plus the subnormal step),
+  and transformers' adapter with the same codec shares the namespace and decodes the
+  same blocks;
 * the loader attends to exactly that reconstruction: its greedy tokens equal those of
   ``deq``, an uncompressed engine loading the same decoded KV, token for token.
 
@@ -26,10 +28,12 @@ import importlib.util
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from engine.hf.adapter import HFKVAdapter
 from kvstore import Namespace, prefix_keys
 from kvstore.codec import get_codec
 from tests.support.server_process import ALPHA, ServerProcess, base_flags
@@ -53,6 +57,13 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def model(root: Path) -> str:
     return str(write_tiny_llama(root / "model"))
+
+
+@pytest.fixture(scope="module")
+def hf_model(model: str) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +149,7 @@ def within_rounding(codec: str, decoded: torch.Tensor, raw: torch.Tensor) -> Non
 
 @pytest.mark.parametrize("codec", CODECS)
 def test_a_codec_loader_attends_to_the_codecs_reconstruction(
-    engines: dict[str, EngineProcess], store: ServerProcess, codec: str
+    engines: dict[str, EngineProcess], store: ServerProcess, hf_model: Any, codec: str
 ) -> None:
     seed = {"int8": 1, "fp8": 2}[codec]
     p = prompt(seed, 300)
@@ -162,6 +173,12 @@ def test_a_codec_loader_attends_to_the_codecs_reconstruction(
     assert stored.shape[1] == raw[0].numel() + layers * 2 * heads * 4  # bytes + f32 scales
     decoded = get_codec(codec).decode(stored, torch.empty((n, *shape)))
     within_rounding(codec, decoded, raw)
+    # transformers' adapter shares the namespace and reads the same blocks
+    adapter = HFKVAdapter(hf_model, model_id=MODEL_ID, block_tokens=BLOCK, kv_codec=codec)
+    assert adapter.namespace == ns
+    with store.client(namespace=ns) as c:
+        got, blocks = adapter.fetch_blocks(c, keys)
+    assert got == n and torch.equal(blocks, decoded)
 
     deq_ns = namespace_of(deq)
     with store.client(namespace=deq_ns) as c:
