@@ -22,6 +22,7 @@ pytest_plugins = [
     "tests.support.server_fixtures",
     "tests.support.etcd_fixtures",
     "tests.support.memory_fixtures",
+    "tests.support.sharded_node",
 ]
 
 # UCX (kvstore/wire/ucx.py) moves test bytes over loopback only, in this process and in

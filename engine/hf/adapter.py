@@ -26,7 +26,8 @@ CPU tests cover the path a GPU runs). A prefix moves as one batch (engine/hf/blo
   and its rows go to the store in one ``batch_put``;
 - read: one ``batch_get_into`` lands every block in a row of one contiguous tensor on
   the device, and the DynamicCache is rebuilt from it there, one copy per layer's keys
-  and values, never through per-layer host copies.
+  and values, never through per-layer host copies; a compressed prefix lands as bytes
+  and is decoded straight into the cache's tensors (:meth:`HFKVAdapter.load_cache`).
 
 Only batch size 1 is handled: disaggregated workers process one request at a time
 per adapter call, and batching happens above this layer.
@@ -215,6 +216,48 @@ class HFKVAdapter:
                 got = 0
         return got, buf
 
+    def load_cache(
+        self, store: BlockStore, keys: Sequence[bytes], tokens: int | None = None
+    ) -> tuple[int, Any]:
+        """Read ``keys`` as one batch and rebuild a DynamicCache from the leading blocks
+        that arrived: (blocks, cache), the cache None when none did. ``tokens`` crops it
+        when every block arrived (a zero-padded last block).
+
+        Uncompressed blocks land in one ``[n, L, 2, H, B, D]`` tensor and are copied
+        into the cache's tensors (a byte copy fills whole blocks only). Compressed
+        blocks land as bytes and each layer is decoded straight into that layer's own
+        keys and values tensor (``decode(layers=...)``): one pass, and no prefix-sized
+        tensor, whose fresh pages would cost a fault per 4 KiB on every read.
+        """
+        n = len(keys)
+        if self.codec is None or n == 0:
+            got, buf = self.fetch_blocks(store, keys)
+            crop = tokens if got == n else None
+            return (got, self.cache_from_blocks(buf[:got], tokens=crop)) if got else (0, None)
+        land = torch.empty((n, self.stored_block_bytes), dtype=torch.uint8, device=self.device)
+        got = get_prefix_into(store, keys, list(land.unbind(0)), self.namespace)
+        if got == 0:
+            return 0, None
+        L, _, H, B, D = self.block_shape
+        t = tokens if tokens is not None and got == n else got * B
+        if not 0 <= t <= got * B:
+            raise ValueError(f"{t} tokens do not fit {got} blocks of {B}")
+        data = []
+        for li in range(L):  # each layer's keys and values: their own tensor, as the cache's
+            kv = torch.empty((2, 1, H, got * B, D), dtype=self.dtype, device=self.device)
+            blocks = kv.view(2, H, got, B, D).permute(2, 0, 1, 3, 4).unsqueeze(1)
+            try:
+                self.codec.decode(land[:got], blocks, layers=(li, li + 1))
+            except KVStoreError:  # a verified block with a bad scale: refuse the prefix
+                return 0, None
+            data.append((kv[0, :, :, :t], kv[1, :, :, :t]))
+        return got, self._cache(data)
+
+    def _cache(self, data: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(ddp_cache_data=data, config=self.model.config)
+
     def load_prefix(
         self, store: BlockStore, keys: Sequence[bytes], n_prompt_tokens: int
     ) -> tuple[int, Any]:
@@ -226,10 +269,7 @@ class HFKVAdapter:
         n = self.reusable_blocks(n_prompt_tokens, matched_blocks(store, keys))
         if n == 0:
             return 0, None
-        got, buf = self.fetch_blocks(store, keys[:n])
-        if got == 0:
-            return 0, None
-        return got, self.cache_from_blocks(buf[:got])
+        return self.load_cache(store, keys[:n])
 
     def put_blocks(
         self, store: BlockStore, keys: Sequence[bytes], blocks: torch.Tensor

@@ -48,6 +48,7 @@ from kvstore.errors import KVStoreError
 
 __all__ = [
     "DecodeWorker",
+    "FetchStats",
     "Handoff",
     "PrefillStats",
     "PrefillWorker",
@@ -71,6 +72,17 @@ class PrefillStats:
     store_s: float = 0.0
     ttft_s: float = 0.0
     cpu_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class FetchStats:
+    """A decode worker's read of a handoff's KV: blocks and stored bytes that arrived,
+    and the seconds from the first request to the KV cache rebuilt in the engine's
+    dtype on its device (a compressed namespace's bytes are fewer, and decoded here)."""
+
+    blocks: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
 
 
 @dataclass(slots=True)
@@ -248,6 +260,7 @@ class DecodeWorker:
         self.adapter = adapter
         self.store = store
         self.last_loaded_blocks = 0
+        self.last_fetch = FetchStats()
         self.first_token_mismatches = 0
         self.tail_recomputed = 0  # handoffs whose exact KV could not be read
 
@@ -277,22 +290,28 @@ class DecodeWorker:
         if shared < 0 or (shared * ad.block_tokens < len(ids) and not handoff.scoped):
             return None
         keys = list(ad.keys(ids)[:shared]) + handoff.scoped_keys()
-        got, buf = ad.fetch_blocks(self.store, keys)  # one batch, one device tensor
+        t0 = time.perf_counter()
+        got, cache = ad.load_cache(self.store, keys, tokens=len(ids))  # one batch
+        if ad.device.type == "cuda":  # the copies are queued: the time is their end's
+            torch.cuda.synchronize(ad.device)
+        self.last_fetch = FetchStats(got, got * ad.stored_block_bytes, time.perf_counter() - t0)
         if got < len(keys):
             return None
         self.last_loaded_blocks = shared
-        return ad.cache_from_blocks(buf, tokens=len(ids))
+        return cache
 
     @torch.inference_mode()
     def _recomputed_cache(self, handoff: Handoff) -> Any:
         """The stored prefix plus a forward over the rest (exact in fp32 only)."""
         ad, ids = self.adapter, handoff.prompt
+        t0 = time.perf_counter()
         try:
             n, cache = ad.load_prefix(self.store, ad.keys(ids), len(ids))
         except KVStoreError as exc:
             log.warning("decode: store read failed (%s); recomputing the prompt", exc)
             n, cache = 0, None
         self.last_loaded_blocks = n
+        self.last_fetch = FetchStats(n, n * ad.stored_block_bytes, time.perf_counter() - t0)
         start = n * ad.block_tokens
         out = ad.model(
             ad.input_ids(ids[start:]), past_key_values=cache, use_cache=True, logits_to_keep=1

@@ -14,6 +14,9 @@ Per request the router asks this module for a :class:`Route`:
   (same store node or host, then same ``zone``), then the most free KV.
 - **short prompts** (under ``short_prompt_tokens``) skip the prefill pool: one
   decode-capable worker does both, chosen like a decode, SLO-checked like a prefill.
+- **KV codecs**: all of this happens within one pool of workers storing the same
+  ``kv_codec`` (engine/serving/pairing.py), so a decode worker never gets a handoff in
+  another codec's bytes; a request no pool can pair is refused as a codec mismatch.
 
 The module is synchronous and does no I/O: the mirror is read from memory, and
 workers are the router's watch-fed records.
@@ -39,6 +42,7 @@ from engine.planning.scheduler import (
     Scheduler,
     make_scheduler,
 )
+from engine.serving.pairing import codec_pools, mismatch
 from engine.serving.registry import WorkerRecord
 from kvstore import Namespace, TierKind, prefix_keys
 from kvstore.errors import KVStoreError
@@ -132,6 +136,10 @@ class PrefixView:
                     runs.append((tier, 1))
             out[node] = runs
         return out
+
+
+def _ttft(route: Route) -> float:
+    return route.estimate.ttft_s if route.estimate is not None else float("inf")
 
 
 def _location(tier: TierKind) -> Location:
@@ -270,25 +278,30 @@ class Placer:
         """A ``keep_going`` for engine/serving/prompts.py ``encode_until``: called with
         a growing head of the prompt, it says whether the head's last full block is
         held by some store node (while it is, a longer prefix may still match; once
-        not, none can). Keys are chained on from the previous call, and one key is
-        looked up per call, so a walk costs O(blocks), not O(blocks^2)."""
-        if not workers:
+        not, none can). Keys are chained on from the previous call, and one key per
+        namespace (one per codec pool, engine/serving/pairing.py) is looked up per
+        call, so a walk costs O(blocks), not O(blocks^2)."""
+        spaces = {(w.block_tokens, tuple(sorted(w.namespace.items()))) for w in workers}
+        walks: list[tuple[int, Namespace, list[bytes]]] = [
+            (bt, Namespace(**dict(ns)), []) for bt, ns in sorted(spaces)
+        ]
+        if not walks:
             return lambda _ids: False
-        w0 = workers[0]
-        bt, ns = w0.block_tokens, Namespace(**w0.namespace)
-        keys: list[bytes] = []
 
         def keep_going(ids: list[int]) -> bool:
-            n = len(ids) // bt
-            if n > len(keys):
-                parent = keys[-1] if keys else None
-                keys.extend(prefix_keys(ids[len(keys) * bt : n * bt], bt, ns, parent=parent))
-            return n == 0 or self.prefixes.holds(keys[n - 1])
+            held = False
+            for bt, ns, keys in walks:
+                n = len(ids) // bt
+                if n > len(keys):
+                    parent = keys[-1] if keys else None
+                    keys.extend(prefix_keys(ids[len(keys) * bt : n * bt], bt, ns, parent=parent))
+                held = held or n == 0 or self.prefixes.holds(keys[n - 1])
+            return held
 
         return keep_going
 
     def keys(self, workers: Sequence[WorkerRecord], ids: Sequence[int]) -> Sequence[bytes]:
-        """The prefix keys of ``ids`` for this model's workers."""
+        """The prefix keys of ``ids`` in the namespace of ``workers`` (one codec pool)."""
         w0 = workers[0]
         return prefix_keys(ids, w0.block_tokens, Namespace(**w0.namespace))
 
@@ -307,29 +320,59 @@ class Placer:
         ``ids`` may be only the head of the prompt (engine/serving/prompts.py
         encode_until stops at the first block no node holds); ``n_tokens`` is then the
         prompt's estimated length, which the cost model uses.
+
+        Workers are placed within their KV codec's pool (engine/serving/pairing.py):
+        a prefill and a decode worker of a split request always store the same codec.
+        With several pools, the route with the lowest estimated TTFT wins; when no pool
+        can pair the request, the answer is a :class:`CodecMismatch`.
         """
         live = [w for w in workers if w.worker_id not in exclude]
-        prefills = [w for w in live if w.can_prefill]
-        decodes = [w for w in live if w.can_decode]
-        if not decodes:
+        if not any(w.can_decode for w in live):
             return Refusal("no decode worker is available for this model")
-        w0 = live[0]
-        ns = Namespace(**w0.namespace)
-        keys = prefix_keys(ids, w0.block_tokens, ns)
-        runs = self.prefixes.runs(keys)
         n = max(n_tokens or 0, len(ids))
-        short = n < self.short_prompt_tokens or not prefills
-        pool = decodes if short else prefills
-        sched = self._scheduler(pool)
+        alone = not any(w.can_prefill for w in live)  # decode workers serve every prompt
+        best: Route | None = None
+        refused: Refusal | None = None
+        for pool in codec_pools(live).values():
+            got = self._place_pool(pool, ids, max_tokens, n, alone, nodes)
+            if isinstance(got, Refusal):
+                refused = refused or got
+            elif got is not None and (best is None or _ttft(got) < _ttft(best)):
+                best = got
+        if best is not None:
+            return best
+        return refused if refused is not None else mismatch(live)
+
+    def _place_pool(
+        self,
+        pool: Sequence[WorkerRecord],
+        ids: Sequence[int],
+        max_tokens: int,
+        n: int,
+        alone: bool,
+        nodes: Mapping[str, Any] | None,
+    ) -> Route | Refusal | None:
+        """Place within one codec pool; None when the pool cannot serve this request
+        (a long prompt and no prefill-decode pair here, while ``alone`` is False)."""
+        prefills = [w for w in pool if w.can_prefill]
+        decodes = [w for w in pool if w.can_decode]
+        short = n < self.short_prompt_tokens or alone
+        if not decodes or not (short or prefills):
+            return None
+        w0 = pool[0]
+        keys = prefix_keys(ids, w0.block_tokens, Namespace(**w0.namespace))
+        runs = self.prefixes.runs(keys)
+        cand_pool = decodes if short else prefills
+        sched = self._scheduler(cand_pool)
         cands = []
-        for i, w in enumerate(pool):
+        for i, w in enumerate(cand_pool):
             segs = tuple((_location(t), b) for t, b in runs.get(w.store_node, []))
             cands.append(Candidate(i, self._queue_s(w, sched.cost.prefill), segs))
         got: tuple[WorkerRecord | None, WorkerRecord, Estimate] | Refusal
         if short:
-            got = self._place_short(decodes, pool, cands, sched, n + max_tokens, n, nodes)
+            got = self._place_short(decodes, cand_pool, cands, sched, n + max_tokens, n, nodes)
         else:
-            got = self._place_split(decodes, pool, cands, sched, n + max_tokens, n, nodes)
+            got = self._place_split(decodes, cand_pool, cands, sched, n + max_tokens, n, nodes)
         if isinstance(got, Refusal):
             return got
         pre, dec, est = got

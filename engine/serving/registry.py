@@ -32,12 +32,15 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from kvstore.codec.registry import normalize_codec
 from kvstore.config import ClusterConfig, EtcdAccess, EtcdAuth, resolve_config
 from kvstore.errors import ConfigError, DirectoryError, Unavailable
+from kvstore.layout import KVLayout
 
 __all__ = [
     "resolve_directory",
     "ROLES",
+    "codec_label",
     "WorkerLoad",
     "WorkerRecord",
     "WorkerRegistration",
@@ -49,6 +52,12 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "both")
+
+
+def codec_label(name: str | None) -> str:
+    """A KV codec's canonical name, ``none`` for uncompressed (ConfigError if unknown):
+    how records, flags and the router's answers spell it."""
+    return normalize_codec(name) or "none"
 
 
 def workers_prefix(cluster: str) -> bytes:
@@ -84,6 +93,13 @@ class WorkerRecord:
     and read their prefix); ``zone`` a topology label (rack, zone) for placement.
     ``prefill_coeffs`` is its fitted prefill time model (see engine/planning/scheduler.py),
     measured at start on its own model and hardware, or None.
+
+    ``kv_codec`` is how its blocks are stored (``none``, ``int8``, ``fp8``; see
+    kvstore/codec/): a decode worker can read a prefill worker's handoff only if both
+    store the same codec's bytes, so the router pairs workers by it. It is also part
+    of ``namespace``'s layout (``:Cint8``); a record whose two disagree is refused as
+    malformed, and a record from before the field existed is uncompressed, as its
+    layout says.
     """
 
     worker_id: str
@@ -101,10 +117,16 @@ class WorkerRecord:
     prefill_coeffs: tuple[float, float, float] | None = None
     load: WorkerLoad = field(default_factory=WorkerLoad)
     boot_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    kv_codec: str = "none"
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ConfigError(f"worker role {self.role!r}: choose one of {', '.join(ROLES)}")
+        if self.kv_codec != codec_label(self.kv_codec):
+            raise ConfigError(f"kv_codec {self.kv_codec!r}: use its canonical name")
+        layout = self.namespace.get("layout")
+        if layout is not None and codec_label(KVLayout.parse(layout).codec) != self.kv_codec:
+            raise ConfigError(f"kv_codec {self.kv_codec!r} disagrees with layout {layout!r}")
 
     @property
     def can_prefill(self) -> bool:

@@ -12,6 +12,9 @@ before the client saw anything is retried elsewhere; a decode stream that breaks
 after tokens were sent ends in an OpenAI-style error event.
 
 Every answer says where it went: ``usage.kvstore`` and ``x-kvstore-*`` headers.
+Prefill and decode workers are paired only within one KV codec
+(engine/serving/pairing.py): ``/v1/models`` and ``/health`` say each model's codec,
+unpaired workers are logged, and a request only they could serve is a 503.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from engine.serving.http_server import bind, serve_app
 from engine.serving.loading import load_tokenizer
 from engine.serving.metrics import RouterMetrics
 from engine.serving.openai_api import APIError, GenRequest, chunk, completion, parse_request
+from engine.serving.pairing import CodecMismatch, UnpairedLog, describe_codecs
 from engine.serving.placement import Placer, PrefixView, Route
 from engine.serving.prompts import PromptEncoder
 from engine.serving.registry import WorkerRecord, WorkerView, resolve_directory
@@ -138,6 +142,8 @@ class Router:
         self._tokenizers: dict[str, PromptEncoder] = {}
         self._tokenizer_lock = asyncio.Lock()  # one load at a time: imports race in threads
         self._suspect: dict[str, tuple[float, str]] = {}
+        pairs = UnpairedLog()
+        self.view.add_listener(lambda: pairs.check(self.view.workers().values()))
 
     async def start(self) -> None:
         await self.view.start()
@@ -187,6 +193,10 @@ class Router:
 
     def models(self) -> list[str]:
         return sorted({w.model for w in self.view.workers().values()})
+
+    def codecs(self, model: str) -> dict[str, Any]:
+        """The KV codec of ``model``'s pool and any unpaired workers (pairing.py)."""
+        return describe_codecs([w for w in self.view.workers().values() if w.model == model])
 
     def _failed(self, exc: WorkerFailed, by_id: dict[str, WorkerRecord]) -> None:
         w = by_id.get(exc.worker_id)
@@ -253,6 +263,9 @@ class Router:
             )  # fmt: skip
             if attempt == 0:
                 self.metrics.decision_s.observe(time.perf_counter() - t0)
+            if isinstance(placed, CodecMismatch):  # a deployment fault: no retry helps
+                self.metrics.refusals.labels(self.cfg.policy).inc()
+                raise APIError(503, placed.reason, type="server_error", code="kv_codec_mismatch")
             if isinstance(placed, Refusal):
                 if attempt == 0:
                     self.metrics.refusals.labels(self.cfg.policy).inc()
@@ -437,8 +450,8 @@ class Router:
             return await gen(request, "completion")
 
         async def models(_request: Request) -> Response:
-            data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvstore"}
-                    for m in self.models()]  # fmt: skip
+            data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvstore",
+                     **self.codecs(m)} for m in self.models()]  # fmt: skip
             return JSONResponse({"object": "list", "data": data})
 
         async def health(_request: Request) -> Response:
@@ -450,6 +463,7 @@ class Router:
             sc = self.store_client
             body = {"status": "ok" if ok else "no_workers", "policy": self.cfg.policy,
                     "workers": roles, "models": self.models(),
+                    "kv_codecs": {m: self.codecs(m) for m in self.models()},
                     "directory": sc.mirror.stats() if sc is not None else None}  # fmt: skip
             return JSONResponse(body, status_code=200 if ok else 503)
 

@@ -18,7 +18,7 @@ import statistics
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -29,7 +29,7 @@ from engine.hf.workers import DecodeWorker, Handoff, PrefillWorker, greedy_conti
 from engine.planning.scheduler import PrefillModel, PrefillSample, fit_prefill_model
 from engine.serving.loading import LoadedModel
 from engine.serving.prompts import PromptEncoder
-from engine.serving.registry import WorkerLoad
+from engine.serving.registry import WorkerLoad, codec_label
 from engine.serving.stores import HandoffReader
 from kvstore.errors import KVStoreError
 
@@ -76,9 +76,12 @@ class WorkerEngine:
         block_tokens: int = 16,
         faults: Faults = Faults(),
         on_load: Callable[[WorkerLoad], None] | None = None,
+        kv_codec: str | None = None,
     ) -> None:
         self.lm = lm
-        self.adapter = HFKVAdapter(lm.model, model_id=lm.name, block_tokens=block_tokens)
+        self.adapter = HFKVAdapter(
+            lm.model, model_id=lm.name, block_tokens=block_tokens, kv_codec=kv_codec
+        )
         self.local, self.cluster = local, cluster
         self.source_client = source_client
         self.store_node = store_node
@@ -92,6 +95,13 @@ class WorkerEngine:
             "prefills": 0, "decodes": 0, "generates": 0, "tail_recomputed": 0,
             "handoff_from_cluster": 0, "handoff_from_source": 0,
         }  # fmt: skip
+        self.last_prefill: dict[str, Any] = {}  # the latest prefill's PrefillStats
+        self.last_decode: dict[str, Any] = {}  # the latest handoff read (FetchStats)
+
+    @property
+    def kv_codec(self) -> str:
+        """How this worker's blocks are stored: ``none``, ``int8`` or ``fp8``."""
+        return codec_label(self.adapter.layout.codec)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -150,6 +160,7 @@ class WorkerEngine:
         """Prefill for another worker to decode: the handoff as plain data."""
         h, _ = await self._prefill(request_id, prompt, handoff=True)
         self.counters["prefills"] += 1
+        self.last_prefill = asdict(h.stats)
         return {"handoff": h.to_dict(), "source_node": self.store_node}
 
     async def _prefill(self, rid: str, prompt: Sequence[int], *, handoff: bool) -> Any:
@@ -182,7 +193,9 @@ class WorkerEngine:
         gen_box: list[Iterator[int]] = []
 
         def start() -> int:
-            gen = dw.decode(h, max_tokens + 1, set(stop_ids))
+            gen = dw.decode(h, max_tokens + 1, set(stop_ids))  # reads the KV
+            f = dw.last_fetch
+            self.last_decode = {"blocks": f.blocks, "bytes": f.bytes, "fetch_s": f.seconds}
             gen_box.append(gen)
             first = next(gen)
             if source is not None and h.scoped:  # short-lived: gone once loaded

@@ -21,6 +21,7 @@ import secrets
 import shutil
 import tempfile
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,9 @@ class ServingStack:
 
     ``workers`` defaults to ``prefill`` prefill workers spread over the nodes (p0 beside
     n0, p1 beside n1, ...) and then ``decode`` decode workers. One router per entry of
-    ``policies`` (all on the same workers: a benchmark can take turns).
+    ``policies`` (all on the same workers: a benchmark can take turns). ``settings``
+    reach the workers and routers as ``KVSTORE_*`` variables (``{"transport": "tcp"}``:
+    their store clients skip shared memory).
     """
 
     def __init__(
@@ -61,6 +64,7 @@ class ServingStack:
         router_flags: tuple[str, ...] = (),
         cluster: str = "live",
         root: Path | None = None,
+        settings: Mapping[str, Any] | None = None,
     ) -> None:
         self.model, self.n_nodes = model, nodes
         node_ids = [f"n{i}" for i in range(nodes)]
@@ -73,6 +77,7 @@ class ServingStack:
         self._own_root = root is None
         self.root = Path(tempfile.mkdtemp(prefix="kvstore-live-")) if root is None else root
         self.token = secrets.token_hex(16)
+        self.settings = {**(settings or {}), "token": self.token}
         self.cluster: Any = None
         self.pool: ServingPool | None = None
 
@@ -105,7 +110,7 @@ class ServingStack:
             self.pool = ServingPool(
                 spec, etcd=self.cluster.etcd_endpoint, cluster=self.cluster_name,
                 node_ids=[n.node_id for n in self.cluster.nodes], root=self.root,
-                settings={"token": self.token},
+                settings=self.settings,
             ).start(timeout)  # fmt: skip
         except BaseException:
             self.stop()

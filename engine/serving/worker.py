@@ -10,7 +10,12 @@ Endpoints (JSON in; NDJSON out for the streaming ones, one object per line):
   lines for every token after the handoff's first, then ``{"done": ...}``.
 - ``POST /generate {request_id, prompt, rest?, max_tokens, stop_ids}`` -> ``{"prefill": ...}``,
   every token, ``{"done": ...}``: both phases here (short prompts).
-- ``GET /health`` -> the worker's record and counters.
+- ``GET /health`` -> the worker's record, counters, its KV codec, and its latest
+  prefill's stats and handoff read (``last_prefill``, ``last_decode``).
+
+``--kv-codec int8|fp8`` stores the worker's blocks compressed (kvstore/codec/), on its
+device; the codec is in its record, and the router pairs a prefill worker only with a
+decode worker of the same codec (engine/serving/pairing.py).
 
 A stream that ends without its ``done`` line was cut (the worker died): the router
 turns that into an error for its client, never into a short answer.
@@ -42,6 +47,7 @@ from starlette.routing import Route
 from engine.serving.http_server import bind, serve_app
 from engine.serving.registry import ROLES, WorkerRecord, WorkerRegistration, resolve_directory
 from engine.serving.runtime import Faults, WorkerEngine
+from kvstore.codec.registry import codec_names
 
 __all__ = ["add_arguments", "build_app", "main", "run_worker"]
 
@@ -106,8 +112,11 @@ class _Handlers:
                 "worker_id": record.worker_id,
                 "role": record.role,
                 "model": record.model,
+                "kv_codec": record.kv_codec,
                 "load": dataclasses.asdict(engine.load()),
                 "counters": engine.counters,
+                "last_prefill": engine.last_prefill,
+                "last_decode": engine.last_decode,
                 "store_up": engine.local.available if engine.local is not None else None,
             }
         )
@@ -201,6 +210,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="tiny, smollm2 or a local model directory")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument(
+        "--kv-codec",
+        default="none",
+        choices=["none", *codec_names()],
+        help="store KV compressed (int8, fp8; kvstore/codec/); every worker of a model "
+        "must use the same one, or the router cannot pair its prefill and decode workers",
+    )
+    p.add_argument(
         "--device",
         default=None,
         choices=["cpu", "cuda"],
@@ -289,6 +305,20 @@ def _store_clients(args: argparse.Namespace, namespace: Any) -> tuple[Any, Any, 
     return cluster, local, node_client
 
 
+def _record(
+    args: argparse.Namespace, wid: str, engine: WorkerEngine, address: str, coeffs: Any
+) -> WorkerRecord:
+    """What this worker registers in etcd (its namespace names its KV codec too)."""
+    ns, lm = engine.adapter.namespace, engine.lm
+    return WorkerRecord(
+        worker_id=wid, role=args.role, model=lm.name, address=address,
+        namespace={"model": ns.model, "layout": ns.layout, "tenant": ns.tenant},
+        store_node=args.store_node, zone=args.zone, block_tokens=engine.adapter.block_tokens,
+        max_context=lm.max_context, kv_bytes_per_token=engine.kv_bytes_per_token,
+        prefill_coeffs=coeffs, load=engine.load(), kv_codec=engine.kv_codec,
+    )  # fmt: skip
+
+
 def run_worker(args: argparse.Namespace) -> int:
     """Load the model, open the stores, serve until SIGTERM / SIGINT."""
     import torch
@@ -315,31 +345,22 @@ def run_worker(args: argparse.Namespace) -> int:
         local=None,
         kv_capacity_tokens=args.kv_tokens,
         faults=Faults(args.inject_prefill_delay_s, args.inject_token_delay_s),
+        kv_codec=args.kv_codec,
     )
-    ns = engine.adapter.namespace
-    engine.cluster, engine.local, engine.source_client = _store_clients(args, ns)
+    engine.cluster, engine.local, engine.source_client = _store_clients(
+        args, engine.adapter.namespace
+    )
     engine.store_node = args.store_node
     sock = bind(args.host, args.port)
-    port = sock.getsockname()[1]
     host = args.advertise_host or args.host
-    record = WorkerRecord(
-        worker_id=wid, role=args.role, model=lm.name, address=f"http://{host}:{port}",
-        namespace={"model": ns.model, "layout": ns.layout, "tenant": ns.tenant},
-        store_node=args.store_node, zone=args.zone, block_tokens=engine.adapter.block_tokens,
-        max_context=lm.max_context, kv_bytes_per_token=engine.kv_bytes_per_token,
-        prefill_coeffs=coeffs, load=engine.load(),
-    )  # fmt: skip
+    record = _record(args, wid, engine, f"http://{host}:{sock.getsockname()[1]}", coeffs)
     reg = WorkerRegistration(args.etcd, args.cluster, ttl=args.lease_ttl_s)
     app = build_app(engine, record, reg)
     ready = {
-        "worker_id": wid,
-        "role": args.role,
-        "model": lm.name,
-        "address": record.address,
-        "pid": os.getpid(),
-        "store_node": args.store_node,
-        "device": str(device),
-    }
+        "worker_id": wid, "role": args.role, "model": lm.name, "address": record.address,
+        "pid": os.getpid(), "store_node": args.store_node, "device": str(device),
+        "kv_codec": record.kv_codec,
+    }  # fmt: skip
     try:
         serve_app(app, sock, ready)
     finally:

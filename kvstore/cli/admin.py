@@ -1,47 +1,47 @@
-"""``kvstore stats``, ``kvstore evict`` and ``kvstore drain``: the operator's commands.
+"""``kvstore stats`` and ``kvstore evict``: the operator's commands (``kvstore drain``
+is kvstore/cli/drain.py, registered with them).
 
 Each talks to nodes by address (``--node HOST:PORT``, default 127.0.0.1:7400) with a
-token from ``--token`` or ``KVSTORE_TOKEN``. ``evict`` and ``drain`` need an admin
-token, checked here first (one clear line) and again by the server; ``stats`` works with
-any token, and a tenant token sees only its own tenant's per-tenant counters. Errors
-are one line plus a hint, exit code 1; ``--json`` prints one document for scripts.
-Tables and progress go to a rich console sized to the terminal (80 columns fit).
+token from ``--token`` or ``KVSTORE_TOKEN``. ``evict`` needs an admin token, checked
+here first (one clear line) and again by the server; ``stats`` works with any token,
+and a tenant token sees only its own tenant's per-tenant counters. Errors are one line
+plus a hint, exit code 1; ``--json`` prints one document for scripts. Tables and
+progress go to a rich console sized to the terminal (80 columns fit).
 
-Nodes are named by address; naming them by node id needs the cluster directory
-(kvstore/client/cluster.py) and is not wired here yet. A drain of a clustered node
-marks its directory record ``draining`` before the call returns (``kvstore nodes``
-shows it), so cluster clients put elsewhere while its blocks move out.
+``stats`` also names nodes as the directory does (``--node NAME``, or every node of
+the cluster with ``--etcd``/``--cluster`` and no ``--node``), and shows a node served
+by ``kvstore serve --shards N`` (named by its name or its address) as the node's
+totals followed by each shard (kvstore/cli/targets.py, stats_view.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
-from collections.abc import Callable
 from typing import Any
 
-from kvstore.cli.stats_view import count, render, summarize
-from kvstore.client import StoreClient
+from kvstore.cli import drain
+from kvstore.cli.calls import DEFAULT_NODE, command, connect, console, error, guard, print_json
+from kvstore.cli.directory import add_directory_flags, read
+from kvstore.cli.stats_view import combine, count, render, render_shards, summarize
+from kvstore.cli.targets import Target, every_node, from_directory, from_info, is_address
 from kvstore.client.admin import AdminClient
-from kvstore.config import ClientConfig, parse_size
+from kvstore.config import parse_size
 from kvstore.errors import ConfigError, InvalidValue, KVStoreError, PermissionDenied
 from kvstore.observe.fmt import fmt_bytes
 
 __all__ = ["add_parser", "connect", "parse_duration", "parse_target"]
 
-DEFAULT_NODE = "127.0.0.1:7400"
-_HINTS = {
-    "permission_denied": "use an admin token (--token or KVSTORE_TOKEN)",
-    "unauthenticated": "set KVSTORE_TOKEN (or --token) to a token from the server's tokens file",
-    "unavailable": "is 'kvstore serve' running there? check --node HOST:PORT",
-    "timeout": "is 'kvstore serve' running there? check --node HOST:PORT",
-}
 _STATS_EXAMPLE = """\
 examples:
   KVSTORE_TOKEN=... kvstore stats --node 127.0.0.1:7400 --node 127.0.0.1:7402
   kvstore stats --tenant acme --json | jq '.nodes[].hit_rate'
+  kvstore stats --etcd 127.0.0.1:2379 --cluster c1    # every node of the cluster
+  kvstore stats --node n1 --etcd 127.0.0.1:2379       # one node by name
+
+A sharded node ('kvstore serve --shards N') shows its totals, then each shard; in
+--json, "nodes" has one entry per shard and "groups" the totals.
 """
 _EVICT_EXAMPLE = """\
 examples:
@@ -54,24 +54,21 @@ Pinned blocks (being read) are never evicted; the command says how many it skipp
 --tenant/--namespace select blocks written with a model scope (names kept beside the
 SSD tier across restarts, and carried along by 'kvstore drain').
 """
-_DRAIN_EXAMPLE = """\
-examples:
-  kvstore drain 127.0.0.1:7402 --to 127.0.0.1:7400   # move every block, then empty
-  kvstore drain 127.0.0.1:7402 --drop                # just drop them (it is a cache)
-  kvstore drain 127.0.0.1:7402 --undo                # take writes again
-"""
 
 
 def add_parser(sub: Any) -> None:
     """Register ``stats``, ``evict`` and ``drain``."""
-    p = _command(
+    p = command(
         sub, "stats", "per node and tier: capacity, use, hits, moves, bytes", _STATS_EXAMPLE
     )
-    p.add_argument("--node", action="append", metavar="ADDR", help="HOST:PORT (repeatable)")
+    p.add_argument(
+        "--node", action="append", metavar="NODE", help="HOST:PORT or node name (repeatable)"
+    )
     p.add_argument("--tenant", help="show this tenant's hits, misses, puts and bytes")
-    p.set_defaults(func=_guard("stats", _cmd_stats))
+    add_directory_flags(p)
+    p.set_defaults(func=guard("stats", _cmd_stats))
 
-    p = _command(sub, "evict", "evict blocks from a tier (admin)", _EVICT_EXAMPLE)
+    p = command(sub, "evict", "evict blocks from a tier (admin)", _EVICT_EXAMPLE)
     p.add_argument("--node", action="append", metavar="ADDR", help="HOST:PORT (repeatable)")
     p.add_argument("--tier", required=True, choices=("hbm", "dram", "ssd"), help="tier to evict")
     target = p.add_mutually_exclusive_group()
@@ -85,110 +82,93 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--older-than", metavar="AGE", help="only blocks unused for AGE (30s, 10m, 2h)")
     p.add_argument("--dry-run", action="store_true", help="show what would go; move nothing")
     p.add_argument("--list", type=int, default=10, metavar="K", help="blocks listed (dry run)")
-    p.set_defaults(func=_guard("evict", _cmd_evict))
+    p.set_defaults(func=guard("evict", _cmd_evict))
 
-    p = _command(
-        sub, "drain", "move or drop a node's blocks so it can leave (admin)", _DRAIN_EXAMPLE
-    )
-    p.add_argument("address", metavar="ADDR", help="HOST:PORT of the node to drain")
-    p.add_argument(
-        "--to", action="append", default=[], metavar="ADDR", help="node to move blocks to"
-    )
-    p.add_argument("--drop", action="store_true", help="drop blocks that have nowhere to go")
-    p.add_argument("--undo", action="store_true", help="end a drain: take writes again")
-    p.set_defaults(func=_guard("drain", _cmd_drain))
-
-
-def _command(sub: Any, name: str, text: str, epilog: str) -> argparse.ArgumentParser:
-    p: argparse.ArgumentParser = sub.add_parser(
-        name,
-        help=text,
-        description=text[:1].upper() + text[1:] + ".",
-        epilog=epilog,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--token", help="token (default: KVSTORE_TOKEN, which ps does not show)")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds per call (default 10)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    return p
-
-
-# -- plumbing ----------------------------------------------------------------------------
-
-
-def _guard(
-    name: str, fn: Callable[[argparse.Namespace], int]
-) -> Callable[[argparse.Namespace], int]:
-    """Run a command; a store error is one line plus a hint and exit code 1."""
-
-    def run(args: argparse.Namespace) -> int:
-        try:
-            return fn(args)
-        except KVStoreError as exc:
-            _error(name, exc)
-            return 1
-
-    return run
-
-
-def _error(name: str, exc: KVStoreError, where: str = "") -> None:
-    at = f" ({where})" if where else ""
-    print(f"kvstore {name}: error{at}: {exc}", file=sys.stderr)
-    hint = _HINTS.get(exc.code, f"see 'kvstore {name} --help'")
-    print(f"hint: {hint}", file=sys.stderr)
-
-
-def connect(address: str, args: argparse.Namespace, *, admin: str = "") -> StoreClient:
-    """An open client of one node; with ``admin`` set, refuse a non-admin token early."""
-    cfg = ClientConfig.load(
-        token=args.token, timeout_s=args.timeout, connect_timeout_s=min(args.timeout, 5.0)
-    )
-    if not cfg.token:
-        raise ConfigError("no token: set KVSTORE_TOKEN or pass --token")
-    client = StoreClient.connect(address, config=cfg)
-    info = client.server_info
-    if admin and not info.get("admin", False):
-        client.close()
-        tenant = info.get("tenant", "?")
-        raise PermissionDenied(f"{admin} needs an admin token (this one is for tenant {tenant})")
-    return client
-
-
-def _console() -> Any:
-    from rich.console import Console
-
-    return Console(highlight=False)
-
-
-def _print_json(doc: Any) -> None:
-    print(json.dumps(doc, indent=2, sort_keys=True))
+    drain.add_parser(sub)
 
 
 # -- stats -------------------------------------------------------------------------------
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
-    docs, errors = [], []
-    for address in args.node or [DEFAULT_NODE]:
-        try:
-            with connect(address, args) as c:
-                info = c.server_info
-                if args.tenant and args.tenant != info.get("tenant") and not info.get("admin"):
-                    raise PermissionDenied("a tenant token reads only its own tenant's stats")
-                docs.append(summarize(address, c.stats(), args.tenant))
-        except KVStoreError as exc:
-            errors.append({"node": address, "code": exc.code, "error": str(exc)})
+    docs: list[dict[str, Any]] = []
+    groups: list[dict[str, Any]] = []
+    errors: list[dict[str, str]] = []
+    shown: list[tuple[dict[str, Any] | None, list[dict[str, Any]]]] = []
+    for target in _stats_targets(args, errors):
+        mine = [d for p in target.processes if (d := _node_stats(args, p.address, errors))]
+        for name in target.missing:
+            errors.append({"node": name, "code": "unavailable", "error": "not registered"})
             if not args.json:
-                _error("stats", exc, address)
+                print(f"kvstore stats: {name} is not registered (down?)", file=sys.stderr)
+        total = combine(target.group, mine) if target.group and mine else None
+        docs += mine
+        groups += [total] if total else []
+        shown.append((total, mine))
     if args.json:
-        _print_json({"nodes": docs, "errors": errors})
+        print_json({"nodes": docs, "groups": groups, "errors": errors})
     else:
-        console = _console()
-        for i, doc in enumerate(docs):
-            if i:
-                console.print()
-            render(console, doc)
+        _render_stats(shown)
     return 1 if errors else 0
+
+
+def _render_stats(shown: list[tuple[dict[str, Any] | None, list[dict[str, Any]]]]) -> None:
+    """Each node's table; a sharded node's totals, then a line per shard."""
+    out = console()
+    first = True
+    for total, mine in shown:
+        for doc in [total] if total is not None else mine:
+            if not first:
+                out.print()
+            first = False
+            render(out, doc)
+        if total is not None:
+            render_shards(out, mine)
+
+
+def _stats_targets(args: argparse.Namespace, errors: list[dict[str, str]]) -> list[Target]:
+    """The nodes ``stats`` shows: each ``--node`` (an address, or a name read from the
+    directory), every node of the directory when only ``--etcd``/``--cluster`` is given,
+    else the default address. An address that does not answer is an error of its own."""
+    specs = args.node or ([] if args.etcd or args.cluster else [DEFAULT_NODE])
+    names = [s for s in specs if not is_address(s)]
+    nodes = read(args, lambda m: m.nodes())[1] if names or not specs else {}
+    if not specs:
+        return every_node(nodes)
+    out = []
+    for spec in specs:
+        if not is_address(spec):
+            out.append(from_directory(spec, nodes))
+            continue
+        try:
+            with connect(spec, args) as c:
+                out.append(from_info(spec, c.server_info))
+        except KVStoreError as exc:
+            errors.append({"node": spec, "code": exc.code, "error": str(exc)})
+            if not args.json:
+                error("stats", exc, spec)
+    return out
+
+
+def _node_stats(
+    args: argparse.Namespace, address: str, errors: list[dict[str, str]]
+) -> dict[str, Any] | None:
+    """One process's summary, or None with its error noted (and shown, without --json)."""
+    try:
+        with connect(address, args) as c:
+            info = c.server_info
+            if args.tenant and args.tenant != info.get("tenant") and not info.get("admin"):
+                raise PermissionDenied("a tenant token reads only its own tenant's stats")
+            doc = summarize(address, c.stats(), args.tenant)
+    except KVStoreError as exc:
+        errors.append({"node": address, "code": exc.code, "error": str(exc)})
+        if not args.json:
+            error("stats", exc, address)
+        return None
+    group = str(info.get("group", ""))
+    doc.update(group=group, shard=int(info.get("shard", 0)))
+    doc["shards"] = int(info.get("shard_count", 0)) if group else 1
+    return doc
 
 
 # -- evict -------------------------------------------------------------------------------
@@ -259,9 +239,9 @@ def _cmd_evict(args: argparse.Namespace) -> int:
                 results.append(r)
         except KVStoreError as exc:
             status = 1
-            _error("evict", exc, address)
+            error("evict", exc, address)
     if args.json:
-        _print_json({"results": results})
+        print_json({"results": results})
     else:
         for r in results:
             _print_evict(r)
@@ -288,81 +268,3 @@ def _print_evict(r: dict[str, Any]) -> None:
             print(f"    {b['key']}  {fmt_bytes(b['size'])}")
         if r["moved"] > len(r["blocks"]):
             print(f"    ... and {count(r['moved'] - len(r['blocks']))} more (--list K)")
-
-
-# -- drain -------------------------------------------------------------------------------
-
-
-def _cmd_drain(args: argparse.Namespace) -> int:
-    from kvstore.client.drain import drain_node
-
-    with connect(args.address, args, admin="drain") as source:
-        if args.undo:
-            source.set_draining(False)
-            print(f"{args.address}: takes writes again", file=sys.stderr)
-            if args.json:
-                _print_json({"node": args.address, "draining": False})
-            return 0
-        if not args.to and not args.drop:
-            raise ConfigError("give --to ADDR to move the blocks, or --drop to drop them")
-        targets = [connect(a, args, admin="drain") for a in args.to]
-        try:
-            if args.json:
-                report = drain_node(source, targets, drop=args.drop)
-            else:
-                report = _drain_with_progress(drain_node, source, targets, args)
-        finally:
-            for t in targets:
-                t.close()
-    doc = {"node": args.address, "draining": True, **_asdict(report)}
-    if args.json:
-        _print_json(doc)
-    else:
-        _print_drain(doc)
-    return 0 if report.remaining == 0 else 1
-
-
-def _drain_with_progress(
-    drain: Any, source: StoreClient, targets: list[StoreClient], args: argparse.Namespace
-) -> Any:
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-    )
-
-    columns = (
-        TextColumn("drain {task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("blocks {task.fields[nbytes]}"),
-        TimeRemainingColumn(),
-    )
-    with Progress(*columns, console=Console(stderr=True)) as bar:
-        task = bar.add_task(args.address, total=None, nbytes="")
-
-        def update(done: int, nbytes: int, total: int) -> None:
-            bar.update(task, completed=done, total=total, nbytes=fmt_bytes(nbytes))
-
-        return drain(source, targets, drop=args.drop, progress=update)
-
-
-def _asdict(report: Any) -> dict[str, Any]:
-    return {name: getattr(report, name) for name in report.__slots__}
-
-
-def _print_drain(doc: dict[str, Any]) -> None:
-    """The drain's outcome in short lines (they fit 80 columns)."""
-    print(f"drained {doc['node_id']} {doc['node']}: {doc['remaining']} blocks left")
-    to = ", ".join(f"{n} to {node}" for node, n in doc["per_target"].items())
-    print(
-        f"  moved {doc['moved']} blocks ({fmt_bytes(doc['moved_bytes'])}){': ' + to if to else ''}"
-        f"; {doc['already_there']} were there already"
-    )
-    print(f"  dropped {doc['dropped']} blocks ({fmt_bytes(doc['dropped_bytes'])})")
-    for why in doc["errors"]:
-        print(f"    because: {why}")
-    print(f"  it takes no writes until restarted or: kvstore drain {doc['node']} --undo")

@@ -24,16 +24,17 @@ Tables fit 80 columns; ``--json`` prints one JSON document instead.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import signal
 import sys
 import threading
-from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
+from kvstore.cli.directory import add_directory_flags, add_etcd_flags, cluster_config, read
 from kvstore.cli.extensions import load_attr
-from kvstore.config import ClusterConfig, EtcdAuth, resolve_config
+from kvstore.cli.nodes_view import COLUMNS, node_doc, table_rows
+from kvstore.config import EtcdAuth
 from kvstore.directory.base import NodeInfo, Replica
 from kvstore.directory.mirror import Mirror
 from kvstore.errors import AuthError, ConfigError, KVStoreError, PermissionDenied
@@ -42,7 +43,6 @@ from kvstore.wire.codec import MAX_SCAN
 
 __all__ = ["add_parser"]
 
-T = TypeVar("T")
 
 _NODES_EXAMPLE = """\
 examples:
@@ -62,26 +62,6 @@ written with a model scope, as 'kvstore evict' does.
 """
 
 
-_ETCD_FLAGS = {
-    "etcd_user": "etcd user (password: KVSTORE_ETCD_PASSWORD)",
-    "etcd_ca": "PEM CA of etcd's certificate (TLS)",
-    "etcd_cert": "PEM client certificate for etcd",
-    "etcd_key": "PEM key of --etcd-cert",
-}
-
-
-def _add_etcd_flags(p: argparse.ArgumentParser) -> None:
-    for name, text in _ETCD_FLAGS.items():
-        p.add_argument("--" + name.replace("_", "-"), dest=name, help=text)
-
-
-def _cluster_config(args: argparse.Namespace, **flags: Any) -> ClusterConfig:
-    """Flags, then ``KVSTORE_*``, then defaults: the directory and its credentials."""
-    flags.update({name: getattr(args, name) for name in _ETCD_FLAGS})
-    cfg: ClusterConfig = resolve_config(ClusterConfig, flags=flags)
-    return cfg
-
-
 def add_parser(sub: Any) -> None:
     """Register ``up``, ``nodes`` and ``ls``."""
     _add_up(sub)
@@ -97,12 +77,16 @@ def _add_up(sub: Any) -> None:
         "on Ctrl-C or SIGTERM. Auth: --tokens-file, --allow-anonymous, KVSTORE_AUTH_TOKEN, "
         "or a fresh token that is printed.",
         epilog="examples: kvstore up --nodes 3 --dram 512MiB --ssd 4GiB\n"
+        "          kvstore up --nodes 2 --dram 4GiB --shards 4\n"
         "          kvstore up --nodes 1 --prefill 2 --decode 1 --router --model tiny",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     up.add_argument("--nodes", type=int, default=2, help="how many nodes (default 2)")
     up.add_argument("--dram", default="256MiB", help="DRAM tier per node (default 256MiB)")
     up.add_argument("--ssd", default="", help="SSD tier per node (default: none)")
+    up.add_argument(
+        "--shards", default="", help="processes per node, as 'kvstore serve --shards' (auto)"
+    )
     up.add_argument("--base-port", type=int, default=0, help="node i uses P+2i, P+2i+1")
     up.add_argument("--etcd", help="use this etcd (HOST:PORT) instead of starting one")
     up.add_argument("--cluster", help="cluster name (default: KVSTORE_CLUSTER or 'default')")
@@ -118,7 +102,7 @@ def _add_up(sub: Any) -> None:
     up.add_argument("--router-port", type=int, default=8000, help="router port (0 picks one)")
     up.add_argument("--policy", default="cache_aware", help="router placement policy")
     up.add_argument("--json", action="store_true", help="print the ready document as JSON")
-    _add_etcd_flags(up)
+    add_etcd_flags(up)
     up.set_defaults(func=_cmd_up)
 
 
@@ -135,10 +119,8 @@ def _add_readers(sub: Any) -> None:
             epilog=example,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
-        p.add_argument("--etcd", help="etcd HOST:PORT (default: KVSTORE_ETCD or 127.0.0.1:2379)")
-        p.add_argument("--cluster", help="cluster name (default: KVSTORE_CLUSTER or 'default')")
+        add_directory_flags(p)
         p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-        _add_etcd_flags(p)
         p.set_defaults(func=fn)
         if name == "ls":
             p.add_argument("--node", help="only this node's entries (node id)")
@@ -168,7 +150,7 @@ def _add_readers(sub: Any) -> None:
 def _cmd_up(args: argparse.Namespace) -> int:
     from kvstore.procs.local_cluster import LocalCluster
 
-    cfg = _cluster_config(args, cluster=args.cluster)
+    cfg = cluster_config(args, cluster=args.cluster)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -184,6 +166,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         allow_anonymous=args.allow_anonymous,
         node_lease_ttl_s=args.node_lease_ttl_s,
         etcd_auth=cfg.etcd_auth,
+        shards=args.shards,
     )
     pool = None
     try:
@@ -239,7 +222,8 @@ def _print_up(doc: dict[str, Any]) -> None:
     for col in ("node", "pid", "gRPC address", "data port", "log"):
         t.add_column(col, overflow="fold")
     for n in doc["nodes"]:
-        t.add_row(n["node_id"], str(n["pid"]), n["address"], str(n["data_port"]), n["log"])
+        name = f"{n['node_id']} ({len(n['shards'])} shards)" if n.get("shards") else n["node_id"]
+        t.add_row(name, str(n["pid"]), n["address"], str(n["data_port"]), n["log"])
     etcd_pid = f" (pid {doc['etcd_pid']})" if doc["etcd_pid"] else ""
     lines = [
         f"etcd {doc['etcd']}{etcd_pid}, cluster {doc['cluster']}",
@@ -263,79 +247,33 @@ def _print_up(doc: dict[str, Any]) -> None:
 # -- nodes / ls ----------------------------------------------------------------------------
 
 
-async def _with_mirror(cfg: ClusterConfig, fn: Callable[[Mirror], T]) -> T:
-    try:
-        from kvstore.directory.etcd import EtcdDirectory
-    except ImportError as exc:
-        raise ConfigError(
-            f"reading etcd needs aetcd (pip install 'kvstore[service]'): {exc}"
-        ) from None
-    async with EtcdDirectory(cfg.etcd, cfg.cluster, auth=cfg.etcd_auth) as d:
-        return fn(await d.mirror())
-
-
-def _read(args: argparse.Namespace, fn: Callable[[Mirror], T]) -> tuple[ClusterConfig, T]:
-    cfg = _cluster_config(args, etcd=args.etcd, cluster=args.cluster)
-    coro: Coroutine[Any, Any, T] = _with_mirror(cfg, fn)
-    return cfg, asyncio.run(coro)
-
-
 def _node_rows(m: Mirror) -> list[dict[str, Any]]:
     held: dict[str, list[int]] = {}
     for _, r in m.entries():
         c = held.setdefault(r.node_id, [0, 0])
         c[0] += 1
         c[1] += r.size
-    return [_node_doc(info, *held.get(nid, [0, 0])) for nid, info in sorted(m.nodes().items())]
-
-
-def _node_doc(info: NodeInfo, blocks: int, nbytes: int) -> dict[str, Any]:
-    return {
-        "node_id": info.node_id,
-        "host": info.host,
-        "address": info.address,
-        "data_address": info.data_address,
-        "shm_name": info.shm_name,
-        "boot_id": info.boot_id,
-        "host_id": info.host_id,
-        "epoch": f"{info.epoch:x}",
-        "tiers": {t.value: cap for t, cap in info.tiers.items()},
-        "draining": info.draining,
-        "blocks": blocks,
-        "bytes": nbytes,
-    }
+    return [node_doc(info, *held.get(nid, [0, 0])) for nid, info in sorted(m.nodes().items())]
 
 
 def _cmd_nodes(args: argparse.Namespace) -> int:
-    cfg, rows = _read(args, _node_rows)
+    cfg, rows = read(args, _node_rows)
     if args.json:
         print(json.dumps({"etcd": cfg.etcd, "cluster": cfg.cluster, "nodes": rows}))
         return 0
+    from rich import box
     from rich.table import Table
 
-    t = Table(title=f"cluster {cfg.cluster} at {cfg.etcd}: {len(rows)} nodes", title_justify="left")
-    for col, just in (
-        ("node", "left"),
-        ("address", "left"),
-        ("host", "left"),
-        ("tiers", "left"),
-        ("state", "left"),
-        ("blocks", "right"),
-        ("bytes", "right"),
-    ):
-        t.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]
-    for r in rows:
-        tiers = " ".join(f"{k}:{fmt_bytes(v).replace(' ', '')}" for k, v in r["tiers"].items())
-        state = "[yellow]draining[/]" if r["draining"] else "serving"
-        t.add_row(
-            r["node_id"],
-            r["address"],
-            r["host"],
-            tiers,
-            state,
-            str(r["blocks"]),
-            fmt_bytes(r["bytes"]),
-        )
+    units = len({r["group"] or r["node_id"] for r in rows})
+    shards = f" ({len(rows)} with each shard)" if units != len(rows) else ""
+    title = f"cluster {cfg.cluster} at {cfg.etcd}: {units} nodes{shards}"
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False)
+    t.collapse_padding = True  # light rules and single gaps: seven columns fit 80
+    for col, just in COLUMNS:
+        whole = col in ("node", "address")  # names and addresses on one line; the rest fold
+        t.add_column(col, justify=just, overflow="fold", no_wrap=whole)  # type: ignore[arg-type]
+    for row in table_rows(rows):
+        t.add_row(*row)
     _print(t)
     return 0
 
@@ -372,7 +310,7 @@ def _scan_nodes(
     """Ask each node (``--node``: that one) for its blocks matching the filters, via
     the admin Scan RPC. Returns the rows, the nodes that had more than one reply
     holds, and per-node errors (a down node is reported, the others still listed)."""
-    from kvstore.cli.admin import connect
+    from kvstore.cli.calls import connect
     from kvstore.client.admin import AdminClient
 
     prefix = _hex_prefix(args)
@@ -386,6 +324,7 @@ def _scan_nodes(
         if args.node and node_id != args.node:
             continue
         try:
+            # Each shard of a sharded node is a node of the directory: list its own.
             with connect(info.address, args, admin="ls --tenant/--namespace") as c:
                 blocks, truncated = AdminClient(c).scan_page(
                     MAX_SCAN,
@@ -421,7 +360,7 @@ def _scan_nodes(
 def _cmd_ls(args: argparse.Namespace) -> int:
     if args.tenant or args.namespace:
         return _ls_nodes(args)
-    cfg, (total, rows) = _read(args, _entries(args))
+    cfg, (total, rows) = read(args, _entries(args))
     docs: list[dict[str, Any]] = [
         {"key": k.hex(), "node": r.node_id, "tier": r.tier.value, "size": r.size} for k, r in rows
     ]
@@ -435,7 +374,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 def _ls_nodes(args: argparse.Namespace) -> int:
     """``ls --tenant/--namespace``: the nodes' own listings, filtered by namespace."""
     _hex_prefix(args)  # a bad --prefix or --limit fails before etcd is asked
-    cfg, nodes = _read(args, lambda m: m.nodes())
+    cfg, nodes = read(args, lambda m: m.nodes())
     rows, more, errors = _scan_nodes(args, nodes)
     total = len(rows)
     docs = rows[: args.limit] if args.limit else rows

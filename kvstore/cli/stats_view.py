@@ -6,11 +6,15 @@ matching series on a dashboard never disagree. Per-tenant views use the tenant-t
 counters the server keeps (hits, misses, puts, bytes per path); capacity, blocks,
 demotions, promotions and evictions are node-wide because the node never sees tenants.
 The table fits an 80-column terminal; ``--json`` prints the summary itself.
+
+A node served by ``kvstore serve --shards N`` is N processes, each with its own stats:
+:func:`combine` sums its shards' summaries into the node's, which prints as any node's
+does, and :func:`render_shards` follows it with one line per shard.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from kvstore.observe.counters import PATHS
@@ -30,9 +34,13 @@ from kvstore.observe.names import (
     tenant_family,
 )
 
-__all__ = ["count", "render", "summarize"]
+__all__ = ["combine", "count", "render", "render_shards", "summarize"]
 
 _GAUGES = ("connections", "leases", "leases_expired", "credits_lent", "draining")  # not counters
+_SUMMED = (
+    *("blocks", "pinned", "lookups", "hits", "misses", "puts", "put_bytes"),
+    *("connections", "leases", "credits_lent"),
+)  # what a sharded node's summary sums over its shards
 
 
 def summarize(address: str, stats: Mapping[str, Any], tenant: str | None = None) -> dict[str, Any]:
@@ -101,6 +109,8 @@ def render(console: Any, doc: Mapping[str, Any]) -> None:
 
     state = "[yellow]draining[/]" if doc["draining"] else "[green]serving[/]"
     who = f" · tenant [bold]{doc['tenant']}[/]" if doc["tenant"] else ""
+    if doc.get("shard_nodes"):  # a sharded node's totals (combine)
+        state += f" · {len(doc['shard_nodes'])} shards"
     console.print(
         f"[bold]{doc['node_id']}[/] {doc['address']} · {state} · {count(doc['blocks'])} "
         f"blocks, {count(doc['pinned'])} pinned{who}"
@@ -136,3 +146,56 @@ def render(console: Any, doc: Mapping[str, Any]) -> None:
     console.print(moved)
     if doc["tenant"]:
         console.print("[dim]the tenant's: hits, misses, puts, bytes; node-wide: the rest[/]")
+
+
+def combine(group: str, shards: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """A sharded node's summary: its shards' (from :func:`summarize`) summed, its hit
+    rate recomputed, draining when any shard is (writers then avoid the whole node)."""
+    first = shards[0]
+    tiers: dict[str, dict[str, int]] = {}
+    for doc in shards:
+        for name, t in doc["tiers"].items():
+            into = tiers.setdefault(name, dict.fromkeys(t, 0))
+            for k, v in t.items():
+                into[k] = into.get(k, 0) + v
+    out: dict[str, Any] = {k: sum(d[k] for d in shards) for k in _SUMMED}
+    out.update(
+        address=first["address"],
+        node_id=group,
+        group=group,
+        shards=max(int(d.get("shards", 1)) for d in shards),
+        shard_nodes=[d["node_id"] for d in shards],
+        tenant=first["tenant"],
+        draining=any(d["draining"] for d in shards),
+        tiers=tiers,
+        hit_rate=out["hits"] / out["lookups"] if out["lookups"] else None,
+        bytes_in=_sum_paths(d["bytes_in"] for d in shards),
+        bytes_out=_sum_paths(d["bytes_out"] for d in shards),
+    )
+    return out
+
+
+def _sum_paths(docs: Iterable[Mapping[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for d in docs:
+        for k, v in d.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+def render_shards(console: Any, shards: Sequence[Mapping[str, Any]]) -> None:
+    """One line per shard of a node, under the node's own table."""
+    from rich import box
+    from rich.table import Table
+
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    for i, name in enumerate(("shard", "address", "state", "blocks", "used", "hits", "puts")):
+        t.add_column(name, justify="left" if i < 3 else "right", no_wrap=True)
+    for d in shards:
+        used = sum(t["used"] for t in d["tiers"].values())
+        state = "[yellow]draining[/]" if d["draining"] else "serving"
+        t.add_row(
+            d["node_id"], d["address"], state, count(d["blocks"]), fmt_bytes(used),
+            count(d["hits"]), count(d["puts"]),
+        )  # fmt: skip
+    console.print(t)

@@ -1,9 +1,9 @@
 """The SDK's admin calls: filtered eviction, and the block moves a drain is made of.
 
-Kept apart from StoreClient (kvstore/client/store.py), whose surface is the data path every
+Kept apart from NodeClient (kvstore/client/store.py), whose surface is the data path every
 engine uses; these calls need an admin token and address blocks by their stored
 (tenant-scoped) keys, as the node holds them. Each wraps one admin RPC of
-proto/kvstore/v1/store.proto through :meth:`StoreClient.control`.
+proto/kvstore/v1/store.proto through :meth:`NodeClient.control`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 from kvstore._proto import store_pb2 as pb
 from kvstore.blocks import BlockHeader, ValueInfo
-from kvstore.client.api import StoreClient
+from kvstore.client.store import NodeClient
 from kvstore.errors import KVStoreError, TransportError
 from kvstore.wire.codec import error_of, meta_of
 
@@ -46,9 +46,9 @@ class RawBlock:
 
 
 class AdminClient:
-    """Admin operations over an open StoreClient (whose token must be an admin's)."""
+    """Admin operations over an open NodeClient (whose token must be an admin's)."""
 
-    def __init__(self, client: StoreClient) -> None:
+    def __init__(self, client: NodeClient) -> None:
         self.client = client
 
     @property

@@ -13,9 +13,14 @@ StoreClient's, answered cluster-wide:
   process's identity, so clients spread over nodes but each is stable. A dead node
   passes the write to the next in that order; a draining node (its directory record
   says so) is skipped, so the writer moves off it as soon as the mirror sees the drain.
+  A node sharded across processes (``kvstore serve --shards N``) is one choice: each
+  key goes to its shard ``shard_of(key, N)`` (every client agrees, a single-address
+  client of that node included), shards in parallel, and a down shard's keys to the
+  next node in the order (kvstore/client/groups.py).
 - **gets** go to the nearest replica the mirror knows (same host before other hosts;
   HBM before DRAM before SSD) and fall back to the next one on a miss, a dead node or
   a failed transfer; keys held by different nodes are fetched from them in parallel.
+  A shard is a node here: the directory lists each block under the shard holding it.
   Bytes are only ever handed over after the node client verified them, so a fallback
   can cost a miss, never wrong bytes.
 - **exists / match_prefix** are answered from the mirror, without a round trip.
@@ -44,20 +49,22 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Self
 
 from kvstore.blocks import layer_range
 from kvstore.client.base import ClientBase, ClientState, one
+from kvstore.client.cluster_writes import ClusterWrites, raise_other
 from kvstore.client.connector import Connector
-from kvstore.client.layered import LayeredPut
+from kvstore.client.fanout import FanOut, share
+from kvstore.client.groups import unit_names, unit_prefix
+from kvstore.client.layered import LayerWrite
 from kvstore.client.members import NODE_FAILURES, Members
 from kvstore.client.store import NodeClient
 from kvstore.config import ClientConfig
 from kvstore.directory.background import BackgroundDirectory
 from kvstore.directory.base import Directory, NodeInfo
 from kvstore.directory.mirror import Mirror
-from kvstore.errors import InvalidValue, KVStoreError, TimeoutError_, Unavailable
+from kvstore.errors import InvalidValue, KVStoreError, Unavailable
 from kvstore.keys import Namespace
 from kvstore.observe.counters import NodeCounters
 from kvstore.wire.locality import hostname
@@ -75,8 +82,8 @@ NodeCall = Callable[[NodeClient, list[int], float], list[Any]]
 class ClusterClient(ClientBase):
     """Blocking client of every node of one cluster. Thread-safe.
 
-    Concurrency contract: ``_lock`` guards ``_state``, ``_recent`` and ``_pool``; no
-    I/O happens under it. ``members`` and the mirror have their own locks.
+    Concurrency contract: ``_lock`` guards ``_state`` and ``_recent``; no I/O happens
+    under it. ``members`` and the mirror have their own locks.
     """
 
     _name = "ClusterClient"
@@ -107,10 +114,11 @@ class ClusterClient(ClientBase):
         )
         self._mirror: Mirror | None = None
         self._members: Members | None = None
+        self._write_path: ClusterWrites | None = None
         self._lock = threading.Lock()
         self._recent: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
         self._hostname = hostname()
-        self._pool: ThreadPoolExecutor | None = None
+        self._fan = FanOut(self.config.pool_size)  # parallel calls on several nodes
 
     def _etcd_factory(self) -> Directory:
         from kvstore.directory.etcd import EtcdDirectory  # aetcd is optional
@@ -140,6 +148,7 @@ class ClusterClient(ClientBase):
             node_id=self.node_id,
             connector=self.connector,
         )
+        self._write_path = ClusterWrites(self._members, self._fan, self._remember, self.cluster)
         self._state = ClientState.OPEN
         try:
             self._members.principal()
@@ -154,11 +163,9 @@ class ClusterClient(ClientBase):
         """Close every node client and stop the directory watch; idempotent."""
         with self._lock:
             self._state = ClientState.CLOSED
-            pool, self._pool = self._pool, None
         if self._members is not None:
             self._members.close()
-        if pool is not None:
-            pool.shutdown(wait=False)
+        self._fan.close()
         self._bg.close()
 
     @property
@@ -204,36 +211,13 @@ class ClusterClient(ClientBase):
     def batch_put(
         self, keys: Sequence[bytes], values: Sequence[Any], *, timeout: float | None = None
     ) -> list[bool | KVStoreError]:
-        """Store each pair on the write node (the next live one if it fails): True
-        stored, False already present there, or that key's error."""
+        """Store each pair on the write node (the next live one if it fails; on a
+        sharded node, each key on its shard, a down shard's keys on the next node):
+        True stored, False already present there, or that key's error."""
         ks, scoped = self._keys(keys)
         if len(values) != len(ks):
             raise InvalidValue(f"{len(ks)} keys but {len(values)} values")
-        deadline = self._deadline(timeout)
-        results: list[Any] = [None] * len(ks)
-        todo = list(range(len(ks)))
-        members = self.members
-        order = members.write_order()
-        for n, node_id in enumerate(order):
-            if not todo:
-                break
-            vals, left = [values[i] for i in todo], _share(deadline, len(order) - n)
-            try:
-                out = members.client(node_id).batch_put([ks[i] for i in todo], vals, timeout=left)
-            except NODE_FAILURES as exc:
-                members.suspect(node_id, exc)
-                continue
-            retry = []
-            for i, r in zip(todo, out, strict=True):
-                results[i] = r
-                if isinstance(r, bool):
-                    self._remember(scoped[i], node_id)
-                elif r.retryable:
-                    retry.append(i)
-            todo = retry
-        if any(r is None for r in results):
-            raise Unavailable(f"no live node of cluster {self.cluster!r} accepted the write")
-        return results
+        return self._writes().batch_put(ks, scoped, values, self._deadline(timeout))
 
     def begin_layers(
         self,
@@ -242,31 +226,19 @@ class ClusterClient(ClientBase):
         shape: Sequence[int],
         dtype: Any,
         timeout: float | None = None,
-    ) -> LayeredPut:
+    ) -> LayerWrite:
         """A layer-by-layer write (kvstore/client/layered.py) on the write node, or the
-        next live one if it cannot start there: once bytes have left, a failure is the
-        write's, not retried elsewhere. Stored keys count as present for this client's
-        reads at once, as after ``batch_put``."""
+        next live one if it cannot start there (on a sharded node, one write per shard
+        holding keys, used as one: kvstore/client/split_layers.py): once bytes have
+        left, a failure is the write's, not retried elsewhere. Stored keys count as
+        present for this client's reads at once, as after ``batch_put``."""
         ks, scoped = self._keys(keys)
-        deadline = self._deadline(timeout)
-        members = self.members
-        order = members.write_order()
-        for n, node_id in enumerate(order):
-            left = _share(deadline, len(order) - n)
-            try:
-                w = members.client(node_id).begin_layers(ks, shape=shape, dtype=dtype, timeout=left)
-            except NODE_FAILURES as exc:
-                members.suspect(node_id, exc)
-                continue
+        return self._writes().begin_layers(ks, scoped, shape, dtype, self._deadline(timeout))
 
-            def stored(results: Sequence[Any], node: str = node_id) -> None:
-                for key, r in zip(scoped, results, strict=True):
-                    if isinstance(r, bool):
-                        self._remember(key, node)
-
-            w.on_commit = stored
-            return w
-        raise Unavailable(f"no live node of cluster {self.cluster!r} took the write")
+    def _writes(self) -> ClusterWrites:
+        self._check_open()
+        assert self._write_path is not None
+        return self._write_path
 
     def batch_get(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[Any]:
         """New values: each a value, None (miss everywhere) or that key's error."""
@@ -326,9 +298,15 @@ class ClusterClient(ClientBase):
         return n
 
     def longest_prefix(self, keys: Sequence[bytes]) -> dict[str, int]:
-        """Per node, how many leading keys it holds (from the mirror only)."""
+        """Per node, how many leading keys it holds (from the mirror only). A sharded
+        node counts as one, under its group's name: its shards hold the prompt's
+        blocks between them."""
         _, scoped = self._keys(keys)
-        return self.mirror.longest_prefix(scoped)
+        mirror = self.mirror
+        nodes = mirror.nodes()
+        if not any(info.group for info in nodes.values()):
+            return mirror.longest_prefix(scoped)
+        return unit_prefix(mirror.lookup(scoped), unit_names(nodes))
 
     def remove(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
         """Remove the blocks from every live node; returns how many copies went."""
@@ -340,7 +318,7 @@ class ClusterClient(ClientBase):
         removed, members = 0, self.members
         live = list(members.live())
         for i, node_id in enumerate(live):
-            left = _share(deadline, len(live) - i)  # a hung node costs only its share
+            left = share(deadline, len(live) - i)  # a hung node costs only its share
             try:
                 removed += members.client(node_id).remove(ks, timeout=left)
             except NODE_FAILURES as exc:
@@ -354,7 +332,7 @@ class ClusterClient(ClientBase):
         members = self.members
         live = list(members.live())
         for i, node_id in enumerate(live):
-            left = _share(deadline, len(live) - i)
+            left = share(deadline, len(live) - i)
             try:
                 per_node[node_id] = members.client(node_id).stats(timeout=left)
             except NODE_FAILURES as exc:
@@ -419,18 +397,14 @@ class ClusterClient(ClientBase):
         of the time left (``tries``: the replicas its keys may still try); a node-level
         failure comes back as the error instead of a result list."""
 
-        def one(item: tuple[str, list[int]]) -> tuple[str, list[int], Any]:
+        def one(item: tuple[str, list[int]]) -> Any:
             node_id, idx = item
-            left = _share(deadline, tries[node_id])  # past the deadline: the call times out
-            try:
-                return node_id, idx, call(self.members.client(node_id), idx, left)
-            except NODE_FAILURES as exc:
-                return node_id, idx, exc
+            left = share(deadline, tries[node_id])  # past the deadline: the call times out
+            return call(self.members.client(node_id), idx, left)
 
-        items = list(groups.items())
-        if len(items) <= 1:
-            return [one(it) for it in items]
-        return list(self._executor().map(one, items))
+        done = self._fan.each(groups, one)
+        raise_other(done)
+        return [(n, idx, out) for (n, idx), out in done]
 
     def _read_order(self, scoped: bytes) -> list[str]:
         """Replicas of one key, nearest first, plus this client's own recent put."""
@@ -458,24 +432,3 @@ class ClusterClient(ClientBase):
             self._recent.move_to_end(scoped)
             if len(self._recent) > RECENT_MAX:
                 self._recent.popitem(last=False)
-
-    def _executor(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(
-                    self.config.pool_size, thread_name_prefix="kvstore-cluster"
-                )
-            return self._pool
-
-
-def _left(deadline: float) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError_("deadline passed before the call")
-    return left
-
-
-def _share(deadline: float, tries: int) -> float:
-    """One attempt's time: what is left until ``deadline`` split evenly among the
-    ``tries`` attempts still possible (this one included)."""
-    return _left(deadline) / max(tries, 1)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.client.admin import AdminClient, RawBlock, StoredBlock
-from kvstore.client.api import StoreClient
+from kvstore.client.store import NodeClient
 from kvstore.errors import ConfigError, KVStoreError, StorageError
 
 __all__ = ["DrainReport", "Progress", "drain_node"]
@@ -50,7 +50,7 @@ class DrainReport:
 class _Target:
     """A node that takes blocks, with a running estimate of its free bytes."""
 
-    def __init__(self, client: StoreClient) -> None:
+    def __init__(self, client: NodeClient) -> None:
         self.client = client
         self.admin = AdminClient(client)
         st = client.stats()
@@ -60,8 +60,8 @@ class _Target:
 
 
 def drain_node(
-    source: StoreClient,
-    targets: Sequence[StoreClient] = (),
+    source: NodeClient,
+    targets: Sequence[NodeClient] = (),
     *,
     drop: bool = False,
     page: int = 256,
@@ -99,7 +99,7 @@ def drain_node(
     return report
 
 
-def _targets(node_id: str, source: StoreClient, clients: Sequence[StoreClient]) -> list[_Target]:
+def _targets(node_id: str, source: NodeClient, clients: Sequence[NodeClient]) -> list[_Target]:
     """Targets that may take blocks: not the source itself, not draining."""
     pool = []
     src_instance = source.server_info.get("instance_id")

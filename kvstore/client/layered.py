@@ -33,8 +33,9 @@ The contract (README, "Layer-by-layer writes"):
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, Protocol, Self
 
 import numpy as np
 
@@ -43,7 +44,7 @@ from kvstore.client.transport.base import LayerSink, Link, Links
 from kvstore.errors import InvalidValue, KVStoreError, ReservationError
 from kvstore.layout import DTYPE_SIZES
 
-__all__ = ["AsyncLayeredPut", "LayeredPut", "block_info"]
+__all__ = ["AsyncLayeredPut", "LayerWrite", "LayeredPut", "LinkLayeredPut", "block_info"]
 
 
 def block_info(shape: Sequence[int], dtype: Any) -> ValueInfo:
@@ -68,36 +69,53 @@ def block_info(shape: Sequence[int], dtype: Any) -> ValueInfo:
     return ValueInfo(name, dims, kind, n)
 
 
-class LayeredPut:
-    """One layer-by-layer write of a batch of blocks of one shape, over one link.
+class LayerWrite(Protocol):
+    """What a layer-by-layer write offers: :class:`LayeredPut` on one node, or a cluster
+    client's write split over several (kvstore/client/split_layers.py)."""
 
-    Made by ``NodeClient.begin_layers``, which starts the write on a link (retried
-    like any call while nothing is sent). Not thread-safe: one writer thread at a time.
+    keys: list[bytes]
+    on_commit: Callable[[Sequence[Any]], None] | None
+
+    def __enter__(self) -> Self: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+    @property
+    def written(self) -> int: ...
+
+    @property
+    def done(self) -> bool: ...
+
+    def write(self, layer: int, values: Sequence[Any]) -> None: ...
+
+    def write_stacked(self, layer: int, stacked: Any) -> None: ...
+
+    def commit(self, keep: Sequence[bool] | None = None) -> list[bool | KVStoreError | None]: ...
+
+    def abort(self) -> None: ...
+
+
+class LayeredPut(ABC):
+    """One layer-by-layer write of a batch of blocks of one shape: what
+    ``begin_layers`` returns. This base holds what every such write checks (layers in
+    order, values of the block's dtype and shape, every layer before the commit); a
+    subclass moves the bytes: :class:`LinkLayeredPut` over one link of one node,
+    kvstore/client/sharded_layers.py over one per shard of a sharded node. Not
+    thread-safe: one writer thread at a time.
     """
 
-    def __init__(
-        self,
-        links: Links,
-        keys: Sequence[bytes],
-        info: ValueInfo,
-        link: Link,
-        sink: LayerSink,
-        timeout_s: float,
-    ) -> None:
+    def __init__(self, keys: Sequence[bytes], info: ValueInfo, timeout_s: float) -> None:
         self.keys = list(keys)
         self.info = info
         self.layers = info.shape[0]
         self.per_layer = info.nbytes // self.layers
-        self._links, self._timeout = links, timeout_s
-        self._sums = [checksum_stream() for _ in self.keys]
+        self._timeout = timeout_s
         self._next = 0  # the first layer not yet written
         # called with the commit's results (a cluster client remembers where keys went)
         self.on_commit: Callable[[Sequence[Any]], None] | None = None
         self._done = False
-        self._link: Link | None = link  # given back to ``links`` at the commit or abort
-        self._sink = sink
 
-    def __enter__(self) -> LayeredPut:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -108,6 +126,11 @@ class LayeredPut:
     def written(self) -> int:
         """Layers written so far."""
         return self._next
+
+    @property
+    def done(self) -> bool:
+        """Committed or aborted: nothing more can be written."""
+        return self._done
 
     def write(self, layer: int, values: Sequence[Any]) -> None:
         """Layers ``[layer, layer + k)`` of every block, in key order: each value a
@@ -157,15 +180,10 @@ class LayeredPut:
             raise InvalidValue(f"layer {layer} written after layers [0, {self._next})")
 
     def _send(self, layer: int, k: int, parts_of: Callable[[int], list[Any]]) -> None:
-        """Send layers [layer, layer + k) in the wire's order, each as ``parts_of(j)``
-        (one run per item), hashing each run after it left (while the server receives
-        it); a failure aborts the write."""
+        """Send layers [layer, layer + k), each as ``parts_of(j)`` (one run per item, in
+        key order); a failure aborts the write."""
         try:
-            for j in range(k):
-                parts = parts_of(j)
-                self._sink.send(parts, self._deadline())
-                for h, part in zip(self._sums, parts, strict=True):
-                    h.update(part)
+            self._send_runs(layer, k, parts_of)
         except BaseException:
             self.abort()
             raise
@@ -180,18 +198,72 @@ class LayeredPut:
         flags = [True] * len(self.keys) if keep is None else [bool(k) for k in keep]
         if len(flags) != len(self.keys):
             raise InvalidValue(f"{len(flags)} keep flags for {len(self.keys)} keys")
-        sums = [h.intdigest() for h in self._sums]
         self._done = True
+        results = self._finish(flags)
+        if self.on_commit is not None:
+            self.on_commit(results)
+        return results
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Store nothing of this write and free its reservations; idempotent."""
+
+    @abstractmethod
+    def _send_runs(self, layer: int, k: int, parts_of: Callable[[int], list[Any]]) -> None:
+        """Move layers [layer, layer + k); ``parts_of(j)`` is layer ``layer + j``'s run
+        of each item, in key order."""
+
+    @abstractmethod
+    def _finish(self, flags: list[bool]) -> list[bool | KVStoreError | None]:
+        """Commit the items whose flag is set (the write is already marked done)."""
+
+    def _check_live(self) -> None:
+        if self._done:
+            raise ReservationError("this layer-by-layer write was already committed or aborted")
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self._timeout
+
+
+class LinkLayeredPut(LayeredPut):
+    """A layer-by-layer write to one node over one link.
+
+    Made by ``NodeClient.begin_layers``, which starts the write on a link (retried
+    like any call while nothing is sent). Each item's checksum is a stream over its
+    layers, updated after each run has left (while the server receives it).
+    """
+
+    def __init__(
+        self,
+        links: Links,
+        keys: Sequence[bytes],
+        info: ValueInfo,
+        link: Link,
+        sink: LayerSink,
+        timeout_s: float,
+    ) -> None:
+        super().__init__(keys, info, timeout_s)
+        self._links = links
+        self._sums = [checksum_stream() for _ in self.keys]
+        self._link: Link | None = link  # given back to ``links`` at the commit or abort
+        self._sink = sink
+
+    def _send_runs(self, layer: int, k: int, parts_of: Callable[[int], list[Any]]) -> None:
+        for j in range(k):
+            parts = parts_of(j)
+            self._sink.send(parts, self._deadline())
+            for h, part in zip(self._sums, parts, strict=True):
+                h.update(part)
+
+    def _finish(self, flags: list[bool]) -> list[bool | KVStoreError | None]:
+        sums = [h.intdigest() for h in self._sums]
         try:
-            results = list(self._sink.finish(sums, flags, self._deadline()))
+            return list(self._sink.finish(sums, flags, self._deadline()))
         except BaseException:
             self._sink.abort(self._deadline())
             raise
         finally:
             self._give_back()
-        if self.on_commit is not None:
-            self.on_commit(results)
-        return results
 
     def abort(self) -> None:
         """Store nothing of this write and free its reservations; idempotent."""
@@ -203,17 +275,10 @@ class LayeredPut:
         finally:
             self._give_back()
 
-    def _check_live(self) -> None:
-        if self._done:
-            raise ReservationError("this layer-by-layer write was already committed or aborted")
-
     def _give_back(self) -> None:
         link, self._link = self._link, None
         if link is not None:
             self._links.give_back(link)
-
-    def _deadline(self) -> float:
-        return time.monotonic() + self._timeout
 
 
 class AsyncLayeredPut:
@@ -222,7 +287,7 @@ class AsyncLayeredPut:
     holds one connection, used by one thread at a time. Leaving ``async with`` without
     a commit aborts, as the sync form does."""
 
-    def __init__(self, put: LayeredPut, run: Callable[..., Awaitable[Any]]) -> None:
+    def __init__(self, put: LayerWrite, run: Callable[..., Awaitable[Any]]) -> None:
         self.sync = put
         self._run = run
 
@@ -230,7 +295,7 @@ class AsyncLayeredPut:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if not self.sync._done:
+        if not self.sync.done:
             await self.abort()
 
     @property

@@ -13,8 +13,12 @@ asking right now:
 - the write node is chosen once and kept while it lives: the ``node_id`` asked for,
   else a node on this kernel (same boot id), else any, ties broken by rendezvous
   hashing of this process's identity, so clients spread but each stays put;
+- a node sharded across processes (``kvstore serve --shards N``) is one choice, its
+  group (kvstore/client/groups.py): chosen while some shard of it is usable, each key
+  then going to its ``shard_of`` shard, a down shard's keys to the next choice;
 - a node whose record says ``draining`` (``kvstore drain``) is never chosen for
-  writes, the ``node_id`` asked for included; it is still read from, until empty;
+  writes, the ``node_id`` asked for included, nor is the group of a draining shard;
+  it is still read from, until empty;
 - the tenant scope of directory keys (tenant and scope key, kvstore/tenants.py) is
   learned from the first node that opens, and every other node must agree.
 """
@@ -31,6 +35,7 @@ import time
 
 from kvstore._proto import store_pb2 as pb
 from kvstore.client.connector import Connector, SocketConnector
+from kvstore.client.groups import WriteUnit, write_units
 from kvstore.client.store import NodeClient
 from kvstore.config import ClientConfig
 from kvstore.directory.base import NodeInfo
@@ -84,7 +89,7 @@ class Members:
     """Per-node clients and liveness for one ClusterClient. Thread-safe.
 
     Concurrency contract: ``_lock`` guards ``_clients``, ``_retired``, ``_suspects``,
-    ``_writer``, ``_principal`` and ``_closed``; no I/O happens under it.
+    ``_writer``, ``_principal``, ``_closed`` and ``_warned``; no I/O happens under it.
     ``_open_lock`` serializes opening node clients (network I/O, rare).
     """
 
@@ -109,7 +114,8 @@ class Members:
         self._clients: dict[str, tuple[str, MemberClient]] = {}  # node -> (boot id, client)
         self._retired: list[MemberClient] = []
         self._suspects: dict[str, tuple[float, str]] = {}  # node -> (until, boot id)
-        self._writer: str | None = None
+        self._writer: str | None = None  # a write unit's name: a node id or a group
+        self._warned: set[str] = set()  # groups whose shards disagree, said once
         self._principal: Principal | None = None
         self._closed = False
         self._seed = f"{hostname()}/{os.getpid()}".encode()
@@ -117,7 +123,8 @@ class Members:
 
     @property
     def writer(self) -> str | None:
-        """The node puts go to now (None before the first put or with no node)."""
+        """The node puts go to now, a group's name for a sharded one (None before the
+        first put or with no node)."""
         return self._writer
 
     def close(self) -> None:
@@ -132,24 +139,46 @@ class Members:
     # -- choosing nodes --------------------------------------------------------------------
 
     def write_order(self) -> list[str]:
-        """Usable nodes to write to, best first: the current writer while it lives and
-        nothing better appeared, the ``node_id`` asked for, nodes on this kernel, the
-        rest (rendezvous order). Draining nodes are left out."""
-        nodes = {n: info for n, info in self.mirror.nodes().items() if not info.draining}
+        """The names of :meth:`write_plan`'s units, best first."""
+        return [u.name for u in self.write_plan()]
+
+    def write_plan(self) -> list[WriteUnit]:
+        """Usable write units, best first: the current writer while it lives and
+        nothing better appeared, the ``node_id`` asked for (a node, a group, or a shard
+        of the group), units on this kernel, the rest (rendezvous order). Draining
+        units are left out, and so are groups whose shards are all unusable."""
+        skipped: list[str] = []
+        units = write_units(self.mirror.nodes(), skipped)
+        self._warn(skipped)
+        units = {n: u for n, u in units.items() if not u.draining}
 
         def rank(n: str) -> tuple[bool, bool, bytes]:
-            local = bool(self._host_id) and nodes[n].host_id == self._host_id
-            return (n != self.node_id, not local, _rendezvous(self._seed, n))
+            u = units[n]
+            local = bool(self._host_id) and u.host_id == self._host_id
+            asked = n == self.node_id or (u.sharded and self.node_id in u.shards)
+            return (not asked, not local, _rendezvous(self._seed, n))
 
-        order = sorted(nodes, key=rank)
+        order = sorted(units, key=rank)
         writer = self._writer
-        if writer in nodes and order and rank(writer)[:2] <= rank(order[0])[:2]:
+        if writer in units and order and rank(writer)[:2] <= rank(order[0])[:2]:
             order.remove(writer)
             order.insert(0, writer)  # stay put while the writer lives
-        order = [n for n in order if self.usable(n)]
+        plan = [units[n] for n in order if self._usable_unit(units[n])]
         with self._lock:
-            self._writer = order[0] if order else None
-        return order
+            self._writer = plan[0].name if plan else None
+        return plan
+
+    def _usable_unit(self, unit: WriteUnit) -> bool:
+        if not unit.sharded:
+            return self.usable(unit.name)
+        return any(self.usable(n) for n in unit.shards if n)
+
+    def _warn(self, groups: list[str]) -> None:
+        with self._lock:
+            new = [g for g in groups if g not in self._warned]
+            self._warned.update(new)
+        for g in new:
+            log.warning("node %s: its shards disagree on how many it has; not written to", g)
 
     def live(self) -> list[str]:
         """Nodes that are not suspect and accept a TCP connection now: control calls
@@ -251,8 +280,9 @@ class Members:
         (None while no node can be reached)."""
         if self._principal is not None:
             return self._principal
-        draining = sorted(n for n, info in self.mirror.nodes().items() if info.draining)
-        for node_id in self.write_order() + [n for n in draining if self.usable(n)]:
+        writable = [n for u in self.write_plan() for n in u.shards if n and self.usable(n)]
+        rest = sorted(set(self.mirror.nodes()) - set(writable))  # draining ones
+        for node_id in writable + [n for n in rest if self.usable(n)]:
             try:
                 self.client(node_id)
             except NODE_FAILURES as exc:

@@ -45,7 +45,7 @@ from kvstore.client.base import ClientBase, ClientState, one
 from kvstore.client.connector import Connector, SocketConnector
 from kvstore.client.control import Control
 from kvstore.client.faults import FaultyConnector
-from kvstore.client.layered import AsyncLayeredPut, LayeredPut, block_info
+from kvstore.client.layered import AsyncLayeredPut, LayeredPut, LinkLayeredPut, block_info
 from kvstore.client.transport.base import LayerSink, Link, Links, Transport
 from kvstore.config import ClientConfig
 from kvstore.errors import (
@@ -152,12 +152,21 @@ class NodeClient(ClientBase):
                 self._pool = self.connector.links(
                     self.host, self.config, self.counters, self._locate, self._info
                 )
+                self._opened()
             except BaseException:
+                if self._pool is not None:
+                    self._pool.close()
+                    self._pool = None
                 control.close()
                 raise
             self._control = control
             self._state = ClientState.OPEN
         return self
+
+    def _opened(self) -> None:
+        """Called by :meth:`open` once the server answered, under the client's lock and
+        before any call can run: a subclass sets up what its calls need (StoreClient:
+        the shards of a sharded node, kvstore/client/api.py). No I/O here."""
 
     def close(self) -> None:
         """Close connections and unmap the server's segment; idempotent."""
@@ -283,7 +292,7 @@ class NodeClient(ClientBase):
 
         t = self.config.timeout_s if timeout is None else timeout
         link, sink = self._retry(attempt, time.monotonic() + t)  # nothing sent yet: safe
-        return LayeredPut(pool, ks, info, link, sink, t)
+        return LinkLayeredPut(pool, ks, info, link, sink, t)
 
     def batch_get(
         self,

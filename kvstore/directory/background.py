@@ -93,6 +93,11 @@ class BackgroundDirectory:
         except TimeoutError:
             fut.cancel()
             raise TimeoutError_(f"directory call did not finish within {wait:.1f} s") from None
+        finally:
+            # The future holds the failure it raises, whose traceback holds this frame:
+            # a cycle that would keep the failed etcd call (and, through it, a closed
+            # channel's socket) until the cyclic GC ran. See etcd.py's _end_all.
+            del fut
 
     def close(self, *, deregister: bool = True) -> None:
         """Close the directory (revoking its own registrations unless told not to),

@@ -186,6 +186,29 @@ def _build_txns(head: bytes, tail: bytes, lease: int, ops: list[WriteOp]) -> lis
     return txns
 
 
+async def _keepalive_reply(
+    stub: rpc.LeaseStub, lease: int, timeout: float
+) -> rpc.LeaseKeepAliveResponse | None:
+    """One LeaseKeepAlive round trip on a stream read to its end (None: no reply).
+
+    Not aetcd's ``refresh_lease``: it returns from inside ``async for`` over the call,
+    which leaves the call's response generator suspended and holding the call, a cycle
+    that only the cyclic GC frees; until then the call keeps its channel alive after
+    ``close()``, socket and all (issue 33). (It would also dial a fresh channel if it
+    ran after the client closed.) ``read()`` to EOF leaves no generator suspended, on
+    a plain call or one through the auth interceptors (whose ``read()`` makes one).
+    """
+    call = stub.LeaseKeepAlive(iter([rpc.LeaseKeepAliveRequest(ID=lease)]), timeout=timeout)
+    try:
+        reply = await call.read()
+        if reply is not grpc.aio.EOF:
+            with contextlib.suppress(grpc.RpcError):  # the reply is what counts
+                await call.read()  # EOF at once: etcd ends the stream on our half-close
+    finally:
+        call.cancel()
+    return None if reply is grpc.aio.EOF else reply
+
+
 class EtcdDirectory(LeasedDirectory):
     """:class:`Directory` on etcd. ``endpoint`` is ``host:port`` of one etcd member;
     ``auth`` its credentials and TLS (None: a plaintext channel, no auth).
@@ -348,7 +371,7 @@ class EtcdDirectory(LeasedDirectory):
         # stopped then runs on (seen after an etcd restart: close() hung 15 s).
         with _etcd_errors("keepalive"):
             async with asyncio.timeout(self._timeout):
-                reply = await self._client.refresh_lease(lease)
+                reply = await _keepalive_reply(self._client.leasestub, lease, self._timeout)
         return reply is not None and reply.TTL > 0
 
     async def _revoke(self, lease: int) -> None:
@@ -371,10 +394,13 @@ class EtcdDirectory(LeasedDirectory):
 
         txns = _build_txns(self._prefix + b"blocks/", b"/" + node_id.encode(), lease, ops)
         results = await asyncio.gather(*(one(t) for t in txns), return_exceptions=True)
+        revisions = [r for r in results if isinstance(r, int)]
         errors = [r for r in results if isinstance(r, BaseException)]
+        results.clear()  # this frame must not hold the failure it raises (see _end_all)
         if errors:  # a lost lease outranks an outage: it decides what the caller does
-            raise next((e for e in errors if isinstance(e, LeaseExpired)), errors[0])
-        return max((r for r in results if isinstance(r, int)), default=0)
+            first = next((i for i, e in enumerate(errors) if isinstance(e, LeaseExpired)), 0)
+            raise errors.pop(first)
+        return max(revisions, default=0)
 
     # -- reads --------------------------------------------------------------------------------
 
@@ -410,6 +436,22 @@ class EtcdDirectory(LeasedDirectory):
 
 
 RangeFn = Callable[..., Awaitable[rpc.RangeResponse]]
+
+
+async def _end_all(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel ``tasks``, wait for them, and forget them (the list is emptied).
+
+    Why forget: the failure a watch re-raises from one of them carries a traceback
+    through the frame that waited on them; a task still named by that frame holds the
+    failure, so failure -> traceback -> frame -> task -> failure is a cycle that only
+    the cyclic GC frees. Until it runs, the frames in that traceback keep the failed
+    watch call, whose gRPC core call keeps its channel alive after ``close()``: a
+    socket to etcd outlived every closed client after an etcd restart (issue 33).
+    """
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    tasks.clear()
 
 
 class _WatchFeed:
@@ -548,18 +590,17 @@ class _WatchFeed:
             await stop.wait()
 
         call = rpc.WatchStub(self._client.channel).Watch(requests())
-        reader = asyncio.create_task(self._read(call), name="kvstore-directory-watch-read")
-        guard = asyncio.create_task(self._guard(), name="kvstore-directory-watch-guard")
+        tasks = [
+            asyncio.create_task(self._read(call), name="kvstore-directory-watch-read"),
+            asyncio.create_task(self._guard(), name="kvstore-directory-watch-guard"),
+        ]
         try:
-            done, _ = await asyncio.wait((reader, guard), return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                task.result()  # both only ever end by raising
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            done.pop().result()  # both only ever end by raising
         finally:
             stop.set()
             call.cancel()
-            for task in (reader, guard):
-                task.cancel()
-            await asyncio.gather(reader, guard, return_exceptions=True)
+            await _end_all(tasks)
 
     async def _read(self, call: AsyncIterator[rpc.WatchResponse]) -> None:
         with _etcd_errors("watch"):

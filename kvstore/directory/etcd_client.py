@@ -50,12 +50,9 @@ def _method(details: grpc.aio.ClientCallDetails) -> str:
     return m.decode() if isinstance(m, bytes) else str(m)
 
 
-def _stale(exc: BaseException) -> bool:
-    return (
-        isinstance(exc, grpc.aio.AioRpcError)
-        and exc.code() == grpc.StatusCode.UNAUTHENTICATED
-        and _STALE in (exc.details() or "")
-    )
+def _stale(code: grpc.StatusCode, details: str | None) -> bool:
+    """Whether a call ended refused for a forgotten token."""
+    return code == grpc.StatusCode.UNAUTHENTICATED and _STALE in (details or "")
 
 
 class _Session:
@@ -103,13 +100,25 @@ class _UnaryToken(grpc.aio.UnaryUnaryClientInterceptor):
             return await continuation(details, request)
         token = await self._session.ensure()
         call = await continuation(_with_token(details, token), request)
-        try:
-            return await call
-        except grpc.aio.AioRpcError as exc:
-            if not _stale(exc):
-                raise
+        if not await _refused_stale(call):
+            # The call goes back whole, reply or failure: a failure raised in here would
+            # be kept by grpc's interceptor task in a cycle with the frames of its own
+            # traceback, and with it the call, which holds the channel's connection
+            # open after close until the cyclic GC runs (issue 33).
+            return call
         token = await self._session.ensure(seen=token)
-        return await (await continuation(_with_token(details, token), request))
+        return await continuation(_with_token(details, token), request)
+
+
+async def _refused_stale(call: Any) -> bool:
+    """Wait for a unary call to end (without raising its failure); whether etcd refused
+    it for a forgotten token. A cancelled wait cancels the call."""
+    try:
+        code = await call.code()
+    except asyncio.CancelledError:
+        call.cancel()
+        raise
+    return _stale(code, await call.details())
 
 
 class _StreamToken:
@@ -134,8 +143,7 @@ class _StreamToken:
         check.add_done_callback(self._checks.discard)
 
     async def _mark(self, call: Any) -> None:
-        code, details = await call.code(), await call.details()
-        if code == grpc.StatusCode.UNAUTHENTICATED and _STALE in (details or ""):
+        if _stale(await call.code(), await call.details()):
             self._session.stale = True
 
 

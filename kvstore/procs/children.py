@@ -100,9 +100,7 @@ def serve_argv(flags: Mapping[str, Any]) -> list[str]:
     return argv
 
 
-def spawn(
-    name: str, argv: Sequence[str], *, log: Path | None, env: Mapping[str, str]
-) -> Child:
+def spawn(name: str, argv: Sequence[str], *, log: Path | None, env: Mapping[str, str]) -> Child:
     """Start ``argv`` with stdout piped (for the ready line) and stderr to ``log`` (None:
     to this process's stderr)."""
     if log is None:

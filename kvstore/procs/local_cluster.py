@@ -11,6 +11,10 @@ temporary directory. Children also get SIGTERM from the kernel if this process d
 without stopping them (``PR_SET_PDEATHSIG`` on Linux), so a killed ``kvstore up``
 does not leave nodes behind.
 
+Shards: ``shards`` is each node's ``kvstore serve --shards`` (``auto``, the default,
+or a number): a node of N shards is N processes under one supervisor, registered as
+``n<i>.s<j>``; the node's ready line lists them, and each stays a node to its clients.
+
 Authentication: nodes take a tokens file or ``allow_anonymous`` when asked to; else
 the token in the environment (as config.py reads it); else a fresh random token,
 handed to the children through their environment (never a flag: flags show in ``ps``)
@@ -34,6 +38,7 @@ from kvstore.directory.etcd_process import EtcdProcess
 from kvstore.errors import ConfigError
 from kvstore.procs.children import serve_argv, spawn, stop_group, wait_ready
 from kvstore.shm.index import index_name
+from kvstore.wire.shards import MAX_SHARDS
 
 __all__ = ["LocalCluster", "NodeProcess"]
 
@@ -73,7 +78,14 @@ class NodeProcess:
             "data_port": f.get("data_port"),
             "shm_name": f.get("shm_name"),
             "log": str(self.workdir / "server.log"),
+            "shards": [s["node_id"] for s in f.get("shards", [])],  # [] for a whole node
         }
+
+    def shm_names(self) -> list[str]:
+        """The DRAM segments of the node (one per shard of a sharded node)."""
+        shards = self.facts.get("shards")
+        names = [s.get("shm_name") for s in shards] if shards else [self.facts.get("shm_name")]
+        return [n for n in names if n]
 
 
 class LocalCluster:
@@ -98,9 +110,13 @@ class LocalCluster:
         node_lease_ttl_s: float | None = None,
         root: Path | None = None,
         etcd_auth: EtcdAuth | None = None,
+        shards: str = "",
     ) -> None:
         if not 1 <= nodes <= 64:
             raise ConfigError(f"nodes: {nodes} (use 1-64)")
+        if shards not in ("", "auto") and not (shards.isdigit() and 1 <= int(shards) <= MAX_SHARDS):
+            raise ConfigError(f"shards {shards!r}: use auto or a number from 1 to {MAX_SHARDS}")
+        self.shards = shards  # "": what ``kvstore serve`` does by default
         if base_port and not 1024 <= base_port <= 65535 - 2 * nodes:
             raise ConfigError(f"base_port: {base_port} leaves no room for {nodes} nodes")
         self.n = nodes
@@ -153,6 +169,7 @@ class LocalCluster:
             "etcd": self.etcd_endpoint,
             "cluster": self.cluster,
             "node_lease_ttl_s": self.node_lease_ttl_s,
+            "shards": self.shards or None,
             **self._auth_flags,
         }
         if self.ssd:
@@ -177,8 +194,9 @@ class LocalCluster:
         nodes, self.nodes = self.nodes, []
         stop_group(nodes, grace)
         for n in nodes:
-            shm = n.facts.get("shm_name")
-            if shm and n.proc.returncode != 0:  # a killed node cannot unlink its segment
+            if n.proc.returncode == 0:
+                continue
+            for shm in n.shm_names():  # a killed node cannot unlink its segments
                 Path("/dev/shm", shm).unlink(missing_ok=True)
                 Path("/dev/shm", index_name(shm)).unlink(missing_ok=True)
         if self.etcd is not None:

@@ -150,3 +150,26 @@ def test_compressed_and_raw_namespaces_never_mix(model) -> None:  # type: ignore
         assert not spaces["fp8"].get_block(node, k0, out)
         assert not raw.get_block(node, k0, out)
         assert spaces["int8"].get_block(node, k0, out)
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp8"])
+def test_a_compressed_prefix_decodes_straight_into_the_cache(model, codec: str) -> None:  # type: ignore[no-untyped-def]
+    """load_cache decodes the codec's bytes straight into the cache's tensors: the same
+    keys and values, bit for bit, as decoding into blocks and copying them into a cache,
+    cropped alike to a padded last block."""
+    ad = HFKVAdapter(model, model_id="tiny", block_tokens=B, kv_codec=codec)
+    p = _prompt(10)
+    with StoreNode(node_id="c", dram_bytes=8 << 20) as node:
+        with torch.inference_mode():
+            out = ad.model(torch.tensor([p]), use_cache=True)
+        keys = [*ad.keys(p), b"\x01" * 16]  # and one key for the padded tail
+        ad.put_blocks(node, keys, ad.gather_tokens(out.past_key_values, 0, len(p)))
+        got, blocks = ad.fetch_blocks(node, keys)
+        want = ad.cache_from_blocks(blocks, tokens=len(p))
+        n, cache = ad.load_cache(node, keys, tokens=len(p))
+        assert n == got == len(keys) and len(p) % B
+        for a, b in zip(cache.layers, want.layers, strict=True):
+            assert a.keys.shape == b.keys.shape and a.keys.shape[2] == len(p)
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        n, partial = ad.load_cache(node, [*keys[:2], b"\x00" * 16], tokens=len(p))
+        assert n == 2 and partial.layers[0].keys.shape[2] == 2 * B  # a miss ends it, uncropped

@@ -141,6 +141,35 @@ def test_non_contiguous_input_and_output() -> None:
     torch.testing.assert_close(out, codec.decode(data, torch.empty(SHAPE)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["fp8", "int8"])
+def test_a_prefix_decodes_straight_into_a_cache_layout(name: str, dtype: torch.dtype) -> None:
+    """Blocks that are views of a KV cache's [layers, 2, heads, tokens, dim] storage (the
+    adapter's compressed read) decode in place to the very values a contiguous stack
+    gets, so the cache needs no second copy."""
+    codec = get_codec(name)
+    n, (layers, _, heads, bt, dim) = 5, SHAPE
+    stack = torch.stack([torch.randn(SHAPE) * (i + 1) for i in range(n)]).to(dtype)
+    data = codec.encode(stack)
+    want = codec.decode(data, torch.empty(n, *SHAPE, dtype=dtype))
+    cache = torch.full((layers, 2, heads, n * bt, dim), float("nan"), dtype=dtype)
+    view = cache.view(layers, 2, heads, n, bt, dim).permute(3, 0, 1, 2, 4, 5)
+    assert not view.is_contiguous()
+    codec.decode(data, view)
+    assert torch.equal(view, want)
+    assert not cache.isnan().any()  # every element written
+    for li in range(layers):  # or one layer at a time, into that layer's own tensor
+        own = torch.empty((2, heads, n * bt, dim), dtype=dtype)
+        blocks = own.view(2, heads, n, bt, dim).permute(2, 0, 1, 3, 4).unsqueeze(1)
+        codec.decode(data, blocks, layers=(li, li + 1))
+        assert torch.equal(blocks, want[:, li : li + 1])
+    two = codec.decode(data, torch.empty(n, 2, *SHAPE[1:], dtype=dtype), layers=(0, 2))
+    assert torch.equal(two, want[:, :2])
+    for bad in ((0, layers + 1), (1, 1), (1, 3)):  # past the blocks, empty, or not out's
+        with pytest.raises(LayoutMismatch):
+            codec.decode(data, torch.empty(n, 1, *SHAPE[1:], dtype=dtype), layers=bad)
+
+
 @pytest.mark.parametrize("shape", [SHAPE, (2, 2, 1, 1, 127)], ids=["aligned", "odd-size"])
 @pytest.mark.parametrize("name", ["fp8", "int8"])
 def test_a_stack_of_blocks_is_its_blocks_back_to_back(name: str, shape: tuple) -> None:

@@ -1,0 +1,327 @@
+"""A StoreClient's calls on a node sharded across processes: each key to its own shard.
+
+``kvstore serve --shards N`` (kvstore/server/shards.py) serves one node from N
+processes. Shard 0 answers at the address users dial and lists every shard in its Info
+reply; a key lives on shard ``shard_of(key, N)`` (kvstore/wire/shards.py), the same
+shard for every client, so a put and a later get meet without asking anyone. A
+StoreClient that finds ``shard_count > 1`` in shard 0's Info hands its calls to a
+:class:`ShardedClient` (kvstore/client/api.py), which holds one NodeClient per shard:
+shard 0's is the StoreClient itself (its connection reused), the others are opened at
+their first use and must then say they are that shard of that node (ConflictError
+otherwise: a stale map never sends a write to a stranger).
+
+What goes where:
+
+- put, get, get_into, their batch forms, begin_layers (kvstore/client/sharded_layers.py),
+  exists, match_prefix and remove split their keys by shard and call each shard
+  involved (kvstore/client/fanout.py: directly for one, side by side for several);
+  per-key results come back in the caller's order.
+- match_prefix is the leading run of keys present over all shards; remove sums.
+- stats is the node as one (numeric leaves summed, ``node_id`` the node's name) with
+  each shard's own under ``"shards"``, in shard order; health is ``draining`` when any
+  shard is; set_draining and wait_prefaulted reach every shard; server_info is shard
+  0's, which lists the shards; control: kvstore/client/sharded_control.py.
+
+Failures: a batch call's keys on a shard whose sub-call failed (down, restarting) get
+that error as their result and the other shards' results stand; when every shard
+involved failed, the call raises, as a whole node's would. exists and match_prefix
+count a failed shard's keys as absent (nothing can read them now) and raise only when
+every shard involved failed. Single-key calls raise as on a whole node; remove, stats,
+health and set_draining raise a shard's error once every shard has answered.
+
+Namespaces (``namespace=``) pass through, and each shard scopes keys by the caller's
+token as a whole node does, so tenants stay apart shard by shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from kvstore._proto import store_pb2 as pb
+from kvstore.client.base import one
+from kvstore.client.fanout import FanOut, Groups, leading_run, pick, raise_any, scatter
+from kvstore.client.layered import LayeredPut, block_info
+from kvstore.client.sharded_control import merge_stats, shard_control
+from kvstore.client.sharded_layers import ShardedLayeredPut
+from kvstore.client.store import NodeClient
+from kvstore.errors import ConfigError, ConflictError, InvalidValue, KVStoreError
+from kvstore.keys import Namespace
+from kvstore.wire.shards import shard_of
+
+__all__ = ["ShardedClient"]
+
+T = TypeVar("T")
+ShardCall = Callable[[NodeClient, list[int]], T]
+
+
+class ShardedClient:
+    """The calls of one StoreClient whose server is shard 0 of a sharded node (see the
+    module docstring). Thread-safe as NodeClient is; made under the StoreClient's lock
+    at open, with no I/O.
+
+    Every call on a shard goes through ``NodeClient.<method>(client, ...)``, never
+    ``client.<method>``: shard 0's client is the StoreClient, whose own methods lead
+    back here."""
+
+    def __init__(self, first: NodeClient, info: pb.InfoResponse) -> None:
+        self.count = int(info.shard_count)
+        self.group = info.group
+        if [int(s.index) for s in info.shards] != list(range(self.count)):
+            raise ConfigError(
+                f"{first.address}: node {info.group!r} lists shards "
+                f"{[int(s.index) for s in info.shards]}, expected 0-{self.count - 1}"
+            )
+        self.first = first
+        # The first client's connector already carries its fault plan (kvstore/faults.py):
+        # the shards share it as one client, not one plan each.
+        config = dataclasses.replace(first.config, faults="")
+        self.nodes: list[NodeClient] = [first] + [
+            NodeClient(
+                s.address, namespace=first.namespace, config=config, connector=first.connector
+            )
+            for s in info.shards[1:]
+        ]
+        for c in self.nodes[1:]:  # one client: one set of counters (retries, ...)
+            c.counters = first.counters
+        self._ready = [True] + [False] * (self.count - 1)
+        # Each of the caller's threads (the async client has pool_size) may fan out.
+        self.fan = FanOut(min(64, (self.count - 1) * first.config.pool_size))
+
+    # -- shards ---------------------------------------------------------------------------
+
+    def node(self, index: int) -> NodeClient:
+        """Shard ``index``'s client, opened (and checked) at first use."""
+        if self._ready[index]:
+            return self.nodes[index]
+        c = self.nodes[index]
+        c.open()
+        info = c.server_info
+        said = (info.get("group", ""), int(info.get("shard", 0)), int(info.get("shard_count", 0)))
+        if said != (self.group, index, self.count):
+            raise ConflictError(
+                f"{c.address} answers as shard {said[1]} of {said[2]} of node {said[0]!r}, "
+                f"not shard {index} of {self.count} of {self.group!r}: the node changed; "
+                "connect again"
+            )
+        self._ready[index] = True
+        return c
+
+    def split(self, keys: Sequence[bytes]) -> Groups:
+        """The shards ``keys`` live on, each with the positions of its keys, in shard
+        order (no keys: shard 0, so an empty call behaves as on a whole node)."""
+        if not keys:
+            return [(0, [])]
+        n = self.count
+        by: dict[int, list[int]] = {}
+        for i, k in enumerate(keys):
+            by.setdefault(shard_of(k, n), []).append(i)
+        return sorted(by.items())
+
+    def each_group(self, groups: Groups, call: ShardCall[T]) -> list[T | KVStoreError]:
+        """``call(shard's client, positions)`` for each group; a shard that cannot be
+        opened fails as its call would."""
+        return self.fan.run([functools.partial(self._on, s, idx, call) for s, idx in groups])
+
+    def each_shard(self, call: Callable[[NodeClient], T]) -> list[T | KVStoreError]:
+        """``call(client)`` on every shard, in shard order."""
+        return self.each_group([(s, []) for s in range(self.count)], lambda c, _: call(c))
+
+    def _on(self, shard: int, idx: list[int], call: ShardCall[T]) -> T:
+        return call(self.node(shard), idx)
+
+    def per_key(self, keys: Sequence[bytes], call: ShardCall[list[Any]]) -> list[Any]:
+        """A batch call split by shard, its per-key results in the caller's order."""
+        groups = self.split(keys)
+        if len(groups) == 1:  # every key on one shard: no thread, no reordering
+            s, idx = groups[0]
+            return call(self.node(s), idx)
+        return scatter(len(keys), groups, self.each_group(groups, call))
+
+    def _keys(self, keys: Sequence[bytes]) -> list[bytes]:
+        return self.first._keys(keys)
+
+    def _key(self, key: bytes) -> tuple[NodeClient, bytes]:
+        k = self.first._as_keys([key])[0]
+        return self.node(shard_of(k, self.count)), k
+
+    # -- data ------------------------------------------------------------------------------
+
+    def put(
+        self, key: bytes, value: Any, *, namespace: Namespace | None, timeout: float | None
+    ) -> bool:
+        c, k = self._key(key)
+        res = NodeClient.batch_put(c, [k], [value], namespace=namespace, timeout=timeout)
+        return bool(one(res))
+
+    def get(self, key: bytes, *, namespace: Namespace | None, timeout: float | None) -> Any:
+        c, k = self._key(key)
+        return one(NodeClient.batch_get(c, [k], namespace=namespace, timeout=timeout))
+
+    def get_into(
+        self,
+        key: bytes,
+        out: Any,
+        *,
+        namespace: Namespace | None,
+        timeout: float | None,
+        layers: tuple[int, int] | None,
+    ) -> bool:
+        c, k = self._key(key)
+        res = NodeClient.batch_get_into(
+            c, [k], [out], namespace=namespace, timeout=timeout, layers=layers
+        )
+        return bool(one(res))
+
+    def batch_put(
+        self,
+        keys: Sequence[bytes],
+        values: Sequence[Any],
+        *,
+        namespace: Namespace | None,
+        timeout: float | None,
+    ) -> list[bool | KVStoreError]:
+        ks = self._keys(keys)
+        if len(values) != len(ks):
+            raise InvalidValue(f"{len(ks)} keys but {len(values)} values")
+
+        def call(c: NodeClient, idx: list[int]) -> list[bool | KVStoreError]:
+            sub_k, sub_v = pick(ks, idx), pick(values, idx)
+            return NodeClient.batch_put(c, sub_k, sub_v, namespace=namespace, timeout=timeout)
+
+        return self.per_key(ks, call)
+
+    def batch_get(
+        self, keys: Sequence[bytes], *, namespace: Namespace | None, timeout: float | None
+    ) -> list[Any]:
+        ks = self._keys(keys)
+
+        def call(c: NodeClient, idx: list[int]) -> list[Any]:
+            return NodeClient.batch_get(c, pick(ks, idx), namespace=namespace, timeout=timeout)
+
+        return self.per_key(ks, call)
+
+    def batch_get_into(
+        self,
+        keys: Sequence[bytes],
+        outs: Sequence[Any],
+        *,
+        namespace: Namespace | None,
+        timeout: float | None,
+        layers: tuple[int, int] | None,
+    ) -> list[bool | KVStoreError]:
+        ks = self._keys(keys)
+        if len(outs) != len(ks):
+            raise InvalidValue(f"{len(ks)} keys but {len(outs)} outputs")
+
+        def call(c: NodeClient, idx: list[int]) -> list[bool | KVStoreError]:
+            sub_k, sub_o = pick(ks, idx), pick(outs, idx)
+            return NodeClient.batch_get_into(
+                c, sub_k, sub_o, namespace=namespace, timeout=timeout, layers=layers
+            )
+
+        return self.per_key(ks, call)
+
+    def begin_layers(
+        self,
+        keys: Sequence[bytes],
+        *,
+        shape: Sequence[int],
+        dtype: Any,
+        namespace: Namespace | None,
+        timeout: float | None,
+    ) -> LayeredPut:
+        """One layered put per shard involved, behind one LayeredPut (a single shard's
+        own when every key is on it)."""
+        ks = self._keys(keys)
+        info = block_info(shape, dtype)  # bad input: one clear error, before any shard
+
+        def start(c: NodeClient, idx: list[int]) -> LayeredPut:
+            sub = pick(ks, idx)
+            kw: dict[str, Any] = {"namespace": namespace, "timeout": timeout}
+            return NodeClient.begin_layers(c, sub, shape=shape, dtype=dtype, **kw)
+
+        groups = self.split(ks)
+        if len(groups) == 1:
+            return start(self.node(groups[0][0]), groups[0][1])
+        t = self.first.config.timeout_s if timeout is None else timeout
+        outcomes = self.each_group(groups, start)
+        return ShardedLayeredPut.start(ks, info, t, [idx for _, idx in groups], outcomes, self.fan)
+
+    # -- metadata -----------------------------------------------------------------------
+
+    def exists(self, keys: Sequence[bytes], *, timeout: float | None) -> list[bool]:
+        ks = self._keys(keys)
+
+        def call(c: NodeClient, idx: list[int]) -> list[bool]:
+            return NodeClient.exists(c, pick(ks, idx), timeout=timeout)
+
+        return [r is True for r in self.per_key(ks, call)]
+
+    def match_prefix(self, keys: Sequence[bytes], *, timeout: float | None) -> int:
+        ks = self._keys(keys)
+        groups = self.split(ks)
+        if len(groups) == 1:
+            return NodeClient.match_prefix(self.node(groups[0][0]), ks, timeout=timeout)
+
+        def call(c: NodeClient, idx: list[int]) -> int:
+            return NodeClient.match_prefix(c, pick(ks, idx), timeout=timeout)
+
+        outcomes = self.each_group(groups, call)
+        errors = [o for o in outcomes if isinstance(o, KVStoreError)]
+        if len(errors) == len(outcomes):
+            raise errors[0]
+        matched = [0 if isinstance(m, KVStoreError) else m for m in outcomes]  # absent
+        return leading_run(len(ks), groups, matched)
+
+    def remove(self, keys: Sequence[bytes], *, timeout: float | None) -> int:
+        ks = self._keys(keys)
+
+        def call(c: NodeClient, idx: list[int]) -> int:
+            return NodeClient.remove(c, pick(ks, idx), timeout=timeout)
+
+        return sum(raise_any(self.each_group(self.split(ks), call)))
+
+    def stats(self, *, timeout: float | None) -> dict[str, Any]:
+        per = raise_any(self.each_shard(lambda c: NodeClient.stats(c, timeout=timeout)))
+        return merge_stats(self.group, per)
+
+    def health(self, *, timeout: float | None) -> str:
+        said = raise_any(self.each_shard(lambda c: NodeClient.health(c, timeout=timeout)))
+        return "draining" if "draining" in said else said[0]
+
+    def set_draining(self, draining: bool, *, timeout: float | None) -> bool:
+        """Every shard; whether the node now drains (any shard does)."""
+        call = functools.partial(NodeClient.set_draining, draining=draining, timeout=timeout)
+        return any(raise_any(self.each_shard(call)))
+
+    def wait_prefaulted(self, timeout: float | None) -> bool:
+        """Every shard this client has opened (the others have mapped nothing)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        ok = True
+        for i, c in enumerate(self.nodes):
+            if self._ready[i]:
+                left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                ok = NodeClient.wait_prefaulted(c, left) and ok
+        return ok
+
+    def control(self, method: str, request: Any, *, timeout: float | None) -> Any:
+        return shard_control(self, method, request, timeout)
+
+    @property
+    def transport(self) -> str:
+        """The first shard's transport that has one (they all pick alike)."""
+        for i, c in enumerate(self.nodes):
+            t = NodeClient.transport.__get__(c) if self._ready[i] else ""
+            if t:
+                return str(t)
+        return ""
+
+    def close(self) -> None:
+        """Close the other shards' clients (shard 0's is the StoreClient's own)."""
+        self.fan.close()
+        for c in self.nodes[1:]:
+            c.close()
