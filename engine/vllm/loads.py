@@ -15,6 +15,11 @@ whole, with every later block of its request, since vLLM recomputes a request fr
 first missing block; the layers already written into its pages are recomputed too.
 :meth:`StepLoad.outcome` says, per request, how many leading blocks were loaded.
 
+With ``kv_codec`` (engine/vllm/compress.py) the stored bytes land in the codec's buffer
+on the KV device and are decoded into the staging blocks before the scatter; such a
+load is whole-block only (a compressed block has no layer ranges in the store). A block
+whose bytes do not decode fails like a miss.
+
 Concurrency: the loader thread writes only pages of the blocks being loaded, which the
 forward reads but never writes; ``_done`` events order each layer's writes before the
 attention that reads them.
@@ -30,6 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.blockstore import GuardedStore
+from engine.vllm.compress import BlockCodec
 from engine.vllm.paged import PagedKV
 
 if TYPE_CHECKING:
@@ -60,12 +66,16 @@ class StepLoad:
         paged: PagedKV,
         chunk: int,
         executor: ThreadPoolExecutor | None,
+        codec: BlockCodec | None = None,
     ) -> None:
+        if codec is not None and executor is not None:
+            raise ValueError("compressed blocks load whole: the store has no layers of them")
         self.items = list(items)
         self._keys = [k for it in self.items for k in it.keys]
         self._ids = [b for it in self.items for b in it.block_ids]
         self._ok = [True] * len(self._keys)
         self._store, self._paged, self._chunk = store, paged, chunk
+        self._codec = codec
         layers = paged.layout.layers
         self._done = [threading.Event() for _ in range(layers)]
         self._future: Future[None] | None = None
@@ -81,7 +91,8 @@ class StepLoad:
     def _whole(self) -> None:
         for start in range(0, len(self._keys), self._chunk):
             part = range(start, min(start + self._chunk, len(self._keys)))
-            buf = self._paged.staging(len(part))
+            n = len(part)
+            buf = self._paged.staging(n) if self._codec is None else self._codec.landing(n)
             self._fetch(part, buf, None, lambda got, ids: self._paged.scatter(got, ids))
 
     def _layerwise(self) -> None:
@@ -121,7 +132,26 @@ class StepLoad:
                 self._ok[part[j]] = False
         if hits:
             sel = buf[hits] if len(hits) < len(part) else buf[: len(part)]
-            write(sel, [self._ids[part[j]] for j in hits])
+            if self._codec is not None:
+                sel, hits = self._decode(part, sel, hits)
+            if hits:
+                write(sel, [self._ids[part[j]] for j in hits])
+
+    def _decode(
+        self, part: Sequence[int], raw: torch.Tensor, hits: list[int]
+    ) -> tuple[torch.Tensor, list[int]]:
+        """The hits' stored bytes ``raw`` decoded into the staging blocks, and the hits
+        that decoded (a block that does not fails like a miss)."""
+        assert self._codec is not None
+        out = self._paged.staging(len(part))[: len(hits)]
+        ok = self._codec.decode(raw, out)
+        if all(ok):
+            return out, hits
+        for j, good in zip(hits, ok, strict=True):
+            if not good:
+                self._ok[part[j]] = False
+        keep = [k for k, good in enumerate(ok) if good]
+        return out[keep], [hits[k] for k in keep]
 
     # -- the forward's side -------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from engine.blockstore import BlockStore
+from kvstore.codec import normalize_codec
 from kvstore.errors import ConfigError
 from kvstore.keys import Namespace
 
@@ -50,6 +51,12 @@ class ConnectorConfig:
         verify: xxh3-check every block copied out of the server's shared memory, as
             over TCP. On by default (~13 us per 720 KiB block): loaded KV goes straight
             into attention, where a scribbled block would silently change outputs.
+        kv_codec: compress stored KV (``int8`` or ``fp8``, :mod:`kvstore.codec`; empty:
+            raw). Encoded after the gather and decoded before the scatter, on the KV
+            tensors' device; the namespace's layout names it (``:C<codec>``), so engines
+            share blocks only with engines of the same codec. A compressed block is
+            opaque bytes to the store, which has no layer ranges of it: the layer-wise
+            defaults are off with a codec, and asking for them with one is refused.
     """
 
     endpoint: str
@@ -65,10 +72,18 @@ class ConnectorConfig:
     transfer_cpus: str = "auto"
     transport: str = "auto"
     verify: bool = True
+    kv_codec: str = ""
 
     def __post_init__(self) -> None:
         if not self.endpoint:
             raise ConfigError("kv_connector_extra_config needs 'endpoint' (host:port)")
+        codec = normalize_codec(self.kv_codec)  # an unknown name fails here, at start
+        object.__setattr__(self, "kv_codec", codec or "")
+        if codec and (self.layerwise or self.layerwise_save):
+            raise ConfigError(
+                f"kv_codec {codec!r} stores whole compressed blocks, which have no layer "
+                "ranges: set layerwise and layerwise_save to false (or leave them out)"
+            )
         for name in ("timeout_s", "connect_timeout_s", "max_blocks_per_call"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"kv_connector_extra_config {name!r} must be > 0")
@@ -97,6 +112,9 @@ class ConnectorConfig:
                     f"got {type(value).__name__}"
                 )
             values[name] = value
+        if normalize_codec(values.get("kv_codec")):  # no layer-wise compressed transfers
+            values.setdefault("layerwise", False)
+            values.setdefault("layerwise_save", False)
         return cls(**values)
 
 
@@ -116,6 +134,7 @@ class ConnectorStats:
     withdrawn_blocks: int = 0  # layer-wise saves dropped at the commit (their load failed)
     save_wait_us: int = 0  # time wait_for_save spent finishing the step's saves
     save_layer_us: int = 0  # time the forward spent in save_kv_layer (layer gathers)
+    refused_blocks: int = 0  # not saved: kv_codec refused them (inf or nan in the pages)
     store_errors: int = 0  # whole calls that failed (down, timeout, protocol)
     skipped_calls: int = 0  # calls not made while the store was marked down
 

@@ -11,7 +11,9 @@ it. Saves of the step's new full prompt blocks go layer by layer with
 background saver as soon as attention has written it and committed in
 ``wait_for_save``; without it ``wait_for_save`` gathers and puts whole blocks. Either
 way the saves are done when ``wait_for_save`` returns, so vLLM may free a finished
-request's pages at once. A block that fails to load is reported as a load error, for
+request's pages at once. With ``kv_codec`` the blocks are encoded after the gather and
+decoded before the scatter, on the KV tensors' device (engine/vllm/compress.py), and
+move whole. A block that fails to load is reported as a load error, for
 vLLM to recompute; corrupt blocks are removed from the store.
 """
 
@@ -24,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from engine.blockstore import GuardedStore
+from engine.vllm.compress import BlockCodec
 from engine.vllm.cpus import pin_this_thread, transfer_cpus
 from engine.vllm.loads import BlockTransfer, StepLoad
 from engine.vllm.paged import PagedKV, PageLayout, probe_page_layout
@@ -102,6 +105,7 @@ class WorkerSide:
         self.store, self.stats = store, stats
         self.load_enabled, self.save_enabled = load_enabled, save_enabled
         self.paged: PagedKV | None = None
+        self.codec: BlockCodec | None = None  # with kv_codec, bound to the pages' device
         self._layer_of: dict[str, int] = {}  # attention layer name -> layer index
         self._step: StepLoad | None = None  # this step's loads, until settled
         self._loader: ThreadPoolExecutor | None = None  # the layer-wise load thread
@@ -125,6 +129,13 @@ class WorkerSide:
         """Bind vLLM's paged tensors, in the layer order the namespace counts."""
         self.paged = PagedKV([kv_caches[n] for n in layer_names], self.namespace.kv_layout, page)
         self.paged.reserve(self.config.max_blocks_per_call)
+        if self.config.kv_codec:  # probed on the pages' device: ConfigError stops the start
+            p = self.paged
+            self.codec = BlockCodec(self.config.kv_codec, p.layout, p.dtype, p.device)
+            self.codec.reserve(self.config.max_blocks_per_call)
+            logger.info("KVStoreConnector: kv_codec %s on %s, %d bytes a block (raw %d)",
+                        self.codec.name, p.device, self.codec.stored_nbytes,
+                        p.layout.raw_block_bytes())  # fmt: skip
         self._layer_of = {n: i for i, n in enumerate(layer_names)}
         cpus = self._transfer_cpus = transfer_cpus(self.config.transfer_cpus)
         if self.config.layerwise and self.load_enabled:
@@ -145,7 +156,9 @@ class WorkerSide:
         if not meta.loads:
             return
         chunk = self.config.max_blocks_per_call
-        self._step = StepLoad(meta.loads, self.store, self._pages(), chunk, self._loader)
+        self._step = StepLoad(
+            meta.loads, self.store, self._pages(), chunk, self._loader, codec=self.codec
+        )
         if self._loader is not None:
             self.stats.layerwise_loads += 1
 
@@ -237,7 +250,13 @@ class WorkerSide:
             if not self.store.available:
                 break  # the store is down: these blocks stay unsaved
             blocks = paged.gather(ids[part])
-            new, present = self.store.save(keys[part], [blocks[j] for j in range(len(blocks))])
+            part_keys, values = keys[part], [blocks[j] for j in range(len(blocks))]
+            if self.codec is not None:  # encoded where the pages are; refused ones skipped
+                coded = self.codec.encode(blocks)
+                part_keys = [k for k, v in zip(part_keys, coded, strict=True) if v is not None]
+                values = [v for v in coded if v is not None]
+                self.stats.refused_blocks += len(coded) - len(values)
+            new, present = self.store.save(part_keys, values)
             self.stats.saved_blocks += new
             self.stats.present_blocks += present
         self.stats.save_wait_us += int((time.perf_counter() - t0) * 1e6)
