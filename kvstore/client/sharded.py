@@ -151,13 +151,20 @@ class ShardedClient:
     # -- data ------------------------------------------------------------------------------
 
     def put(
-        self, key: bytes, value: Any, *, namespace: Namespace | None, timeout: float | None
+        self,
+        key: bytes,
+        value: Any,
+        *,
+        namespace: Namespace | None = None,
+        timeout: float | None = None,
     ) -> bool:
         c, k = self._key(key)
         res = NodeClient.batch_put(c, [k], [value], namespace=namespace, timeout=timeout)
         return bool(one(res))
 
-    def get(self, key: bytes, *, namespace: Namespace | None, timeout: float | None) -> Any:
+    def get(
+        self, key: bytes, *, namespace: Namespace | None = None, timeout: float | None = None
+    ) -> Any:
         c, k = self._key(key)
         return one(NodeClient.batch_get(c, [k], namespace=namespace, timeout=timeout))
 
@@ -166,9 +173,9 @@ class ShardedClient:
         key: bytes,
         out: Any,
         *,
-        namespace: Namespace | None,
-        timeout: float | None,
-        layers: tuple[int, int] | None,
+        namespace: Namespace | None = None,
+        timeout: float | None = None,
+        layers: tuple[int, int] | None = None,
     ) -> bool:
         c, k = self._key(key)
         res = NodeClient.batch_get_into(
@@ -181,8 +188,8 @@ class ShardedClient:
         keys: Sequence[bytes],
         values: Sequence[Any],
         *,
-        namespace: Namespace | None,
-        timeout: float | None,
+        namespace: Namespace | None = None,
+        timeout: float | None = None,
     ) -> list[bool | KVStoreError]:
         ks = self._keys(keys)
         if len(values) != len(ks):
@@ -195,7 +202,11 @@ class ShardedClient:
         return self.per_key(ks, call)
 
     def batch_get(
-        self, keys: Sequence[bytes], *, namespace: Namespace | None, timeout: float | None
+        self,
+        keys: Sequence[bytes],
+        *,
+        namespace: Namespace | None = None,
+        timeout: float | None = None,
     ) -> list[Any]:
         ks = self._keys(keys)
 
@@ -209,9 +220,9 @@ class ShardedClient:
         keys: Sequence[bytes],
         outs: Sequence[Any],
         *,
-        namespace: Namespace | None,
-        timeout: float | None,
-        layers: tuple[int, int] | None,
+        namespace: Namespace | None = None,
+        timeout: float | None = None,
+        layers: tuple[int, int] | None = None,
     ) -> list[bool | KVStoreError]:
         ks = self._keys(keys)
         if len(outs) != len(ks):
@@ -231,8 +242,8 @@ class ShardedClient:
         *,
         shape: Sequence[int],
         dtype: Any,
-        namespace: Namespace | None,
-        timeout: float | None,
+        namespace: Namespace | None = None,
+        timeout: float | None = None,
     ) -> LayeredPut:
         """One layered put per shard involved, behind one LayeredPut (a single shard's
         own when every key is on it)."""
@@ -253,7 +264,7 @@ class ShardedClient:
 
     # -- metadata -----------------------------------------------------------------------
 
-    def exists(self, keys: Sequence[bytes], *, timeout: float | None) -> list[bool]:
+    def exists(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[bool]:
         ks = self._keys(keys)
 
         def call(c: NodeClient, idx: list[int]) -> list[bool]:
@@ -261,7 +272,7 @@ class ShardedClient:
 
         return [r is True for r in self.per_key(ks, call)]
 
-    def match_prefix(self, keys: Sequence[bytes], *, timeout: float | None) -> int:
+    def match_prefix(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
         ks = self._keys(keys)
         groups = self.split(ks)
         if len(groups) == 1:
@@ -277,7 +288,7 @@ class ShardedClient:
         matched = [0 if isinstance(m, KVStoreError) else m for m in outcomes]  # absent
         return leading_run(len(ks), groups, matched)
 
-    def remove(self, keys: Sequence[bytes], *, timeout: float | None) -> int:
+    def remove(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
         ks = self._keys(keys)
 
         def call(c: NodeClient, idx: list[int]) -> int:
@@ -285,20 +296,20 @@ class ShardedClient:
 
         return sum(raise_any(self.each_group(self.split(ks), call)))
 
-    def stats(self, *, timeout: float | None) -> dict[str, Any]:
+    def stats(self, *, timeout: float | None = None) -> dict[str, Any]:
         per = raise_any(self.each_shard(lambda c: NodeClient.stats(c, timeout=timeout)))
         return merge_stats(self.group, per)
 
-    def health(self, *, timeout: float | None) -> str:
+    def health(self, *, timeout: float | None = None) -> str:
         said = raise_any(self.each_shard(lambda c: NodeClient.health(c, timeout=timeout)))
         return "draining" if "draining" in said else said[0]
 
-    def set_draining(self, draining: bool, *, timeout: float | None) -> bool:
+    def set_draining(self, draining: bool = True, *, timeout: float | None = None) -> bool:
         """Every shard; whether the node now drains (any shard does)."""
         call = functools.partial(NodeClient.set_draining, draining=draining, timeout=timeout)
         return any(raise_any(self.each_shard(call)))
 
-    def wait_prefaulted(self, timeout: float | None) -> bool:
+    def wait_prefaulted(self, timeout: float | None = 30.0) -> bool:
         """Every shard this client has opened (the others have mapped nothing)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         ok = True
@@ -308,7 +319,7 @@ class ShardedClient:
                 ok = NodeClient.wait_prefaulted(c, left) and ok
         return ok
 
-    def control(self, method: str, request: Any, *, timeout: float | None) -> Any:
+    def control(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
         return shard_control(self, method, request, timeout)
 
     @property

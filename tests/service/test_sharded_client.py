@@ -23,7 +23,7 @@ from kvstore._proto import store_pb2 as pb
 from kvstore.client.admin import AdminClient
 from kvstore.client.drain import drain_node
 from kvstore.client.sharded import ShardedClient
-from kvstore.errors import ConflictError, KVStoreError
+from kvstore.errors import ClosedError, ConflictError, KVStoreError
 from kvstore.wire.shards import shard_of
 from tests.support.server_process import ADMIN, ALPHA, BRAVO, ServerProcess, base_flags
 from tests.support.sharded_node import ShardedFactory, ShardedNode
@@ -180,6 +180,15 @@ def test_the_async_client_sees_one_node(sharded_node: ShardedNode) -> None:
                 assert await w.commit() == [True] * 4
 
     asyncio.run(asyncio.wait_for(body(), 60))
+
+
+def test_a_closed_client_of_a_sharded_node_says_so(sharded_node: ShardedNode) -> None:
+    c = StoreClient.connect(sharded_node.address, token=ALPHA.token)
+    assert c.shards == 2 and c.put(fresh(1)[0], values(1, 7)[0])
+    c.close()
+    for call in (lambda: c.get(fresh(1)[0]), lambda: c.exists(fresh(2)), c.stats):
+        with pytest.raises(ClosedError, match="closed"):
+            call()
 
 
 def test_stats_and_health_are_the_nodes(
