@@ -88,7 +88,7 @@ def server_url(argv: Sequence[str]) -> str:
     a server on every interface is named by this host's name."""
     opts: dict[str, str] = {}
     for i, arg in enumerate(argv):
-        for name in ("--host", "--port", "--uds"):
+        for name in ("--host", "--port", "--uds", "--ssl-certfile"):
             if arg == name and i + 1 < len(argv):
                 opts[name] = argv[i + 1]
             elif arg.startswith(name + "="):
@@ -103,7 +103,8 @@ def server_url(argv: Sequence[str]) -> str:
         host = socket.gethostname()
     elif ":" in host and not host.startswith("["):
         host = f"[{host}]"  # an IPv6 literal
-    return f"http://{host}:{port}"
+    scheme = "https" if opts.get("--ssl-certfile") else "http"
+    return f"{scheme}://{host}:{port}"
 
 
 def server_role(configured: str, kv_role: str | None) -> str:
@@ -239,10 +240,26 @@ class Membership:
                     logger.warning("KVStoreConnector: nothing at %s lists %s yet; is 'url' "
                                    "right?", self.facts.url, self.facts.model)  # fmt: skip
                 await asyncio.sleep(self.probe_s)
-        await self.registration.start(self.record())
+        await self._register()
         self._registered = True
         self.registration.update_load(self._load)  # what changed while it was written
         logger.info("KVStoreConnector: %s joined the pool as %s", self.facts.url, self.server_id)
+
+    async def _register(self) -> None:
+        """Write the record under a new lease; etcd away at that moment: again later
+        (the server serves all the while, only outside the pool)."""
+        while True:
+            try:
+                await self.registration.start(self.record())
+                return
+            except Exception as exc:
+                from kvstore.directory.etcd_client import cancelling  # aetcd: lazily
+
+                if cancelling():  # grpc reports a cancellation as an RPC error
+                    raise asyncio.CancelledError from exc
+                logger.warning("KVStoreConnector: registering %s: %s; trying again",
+                               self.facts.url, exc)  # fmt: skip
+                await asyncio.sleep(max(self.probe_s, 1.0))
 
     async def _serving(self, http: Any) -> bool:
         """Whether the server's URL answers and lists this model."""

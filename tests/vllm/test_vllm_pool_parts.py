@@ -66,6 +66,7 @@ def test_register_settings_refuse_what_would_misplace_a_server(
         (["api_server", "--host", "::1", "--port", "9"], "http://[::1]:9"),
         (["api_server", "--model", "m"], f"http://{socket.gethostname()}:8000"),
         (["api_server", "--host", "0.0.0.0"], f"http://{socket.gethostname()}:8000"),
+        (["api_server", "--host", "h", "--ssl-certfile", "c.pem"], "https://h:8000"),
     ],
 )  # fmt: skip
 def test_a_servers_url_comes_from_its_command_line(argv: list[str], url: str) -> None:

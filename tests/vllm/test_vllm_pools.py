@@ -151,13 +151,19 @@ def test_a_registered_server_is_in_etcd_with_its_facts_and_serves(pool: dict[str
         assert (rec.role, rec.model, rec.store_node) == (role, str(pool["model"]), "n0")
         assert rec.load.running == 0
         assert rec.block_tokens == BLOCK and rec.namespace["layout"].startswith("float32:L")
-    raw = _complete(pool["router"], pool["model"], _prompt(1, 2 * BLOCK + 3), 8)
+    prompt = _prompt(1, 2 * BLOCK + 3)
+    raw = _complete(pool["router"], pool["model"], prompt, 8)
     assert raw.headers["x-kvstore-prefill"] == prefill.url
     assert raw.headers["x-kvstore-decode"] == decode.url
-    assert raw.headers["x-kvstore-cached-blocks"] == "0/2"  # the decode server's store
+    assert raw.headers["x-kvstore-cached-blocks"] == "0/2"
     assert raw.parse().usage.completion_tokens == 8
+    # the cache check asks the store node the record names, in the record's namespace
+    again = _complete(pool["router"], pool["model"], prompt, 8)
+    assert again.headers["x-kvstore-cached-blocks"] == "2/2"
+    assert again.headers["x-kvstore-prefill"] == "skipped"
+    assert again.parse().choices[0].text == raw.parse().choices[0].text
     # its load: done and no longer in flight (in flight: the kill test's barrier)
-    _wait("the decode server's record counts it done", lambda: _load(pool, decode.url) == (0, 1))
+    _wait("the decode server's record counts both done", lambda: _load(pool, decode.url) == (0, 2))
 
 
 def test_a_server_told_to_register_without_etcd_fails_at_start(pool: dict[str, Any]) -> None:
