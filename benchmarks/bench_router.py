@@ -215,10 +215,10 @@ def router_cost(stack: Any, n_tokens: int, iters: int) -> dict:
     first served once through the router, so the mirror holds its blocks."""
     from types import SimpleNamespace
 
+    from engine.registry import WorkerView
     from engine.serving.loading import load_tokenizer
     from engine.serving.placement import Placer, PrefixView
     from engine.serving.prompts import PromptEncoder
-    from engine.serving.registry import WorkerView
     from engine.serving.router import encode_request
     from kvstore import Namespace, StoreClient, prefix_keys
 
@@ -404,7 +404,7 @@ def _coeffs(stack: Any) -> Any:
     """The median of the prefill workers' calibrations, as the router uses them."""
 
     async def get() -> Any:
-        from engine.serving.registry import WorkerView
+        from engine.registry import WorkerView
 
         view = WorkerView(stack.cluster.etcd_endpoint, stack.cluster_name)
         await view.start()

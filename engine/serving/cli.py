@@ -47,8 +47,10 @@ def add_parser(sub: Any) -> None:
         help="pools of `vllm serve` (kvstore's connector) behind one OpenAI front",
         description="Send each request to a prefill server (max_tokens=1), then to a decode "
         "server, skipping the prefill when the store holds the whole prompt.",
-        epilog="example: kvstore vllm-router --model ./m --dtype float32 --block-size 32 "
-        "--prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --store 127.0.0.1:7400",
+        epilog="examples: kvstore vllm-router --model ./m --dtype float32 --block-size 32 "
+        "--prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --store 127.0.0.1:7400; "
+        "kvstore vllm-router --model ./m --etcd 127.0.0.1:2379 (the servers whose connector "
+        'has "register": true)',
     )
     vllm_pools.add_arguments(v)
     v.set_defaults(func=_run_vllm_router)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.planning.scheduler import Refusal
-from engine.serving.registry import WorkerRecord
+from engine.registry import WorkerRecord
 
 __all__ = [
     "CodecMismatch",

@@ -42,8 +42,8 @@ from engine.planning.scheduler import (
     Scheduler,
     make_scheduler,
 )
+from engine.registry import WorkerRecord
 from engine.serving.pairing import codec_pools, mismatch
-from engine.serving.registry import WorkerRecord
 from kvstore import Namespace, TierKind, prefix_keys
 from kvstore.client.groups import unit_names, unit_prefix
 from kvstore.errors import KVStoreError

@@ -39,6 +39,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route as HttpRoute
 
 from engine.planning.scheduler import Refusal
+from engine.registry import WorkerRecord, WorkerView, resolve_directory
 from engine.serving.http_server import bind, serve_app
 from engine.serving.loading import load_tokenizer
 from engine.serving.metrics import RouterMetrics
@@ -46,7 +47,6 @@ from engine.serving.openai_api import APIError, GenRequest, chunk, completion, p
 from engine.serving.pairing import CodecMismatch, UnpairedLog, describe_codecs
 from engine.serving.placement import Placer, PrefixView, Route
 from engine.serving.prompts import PromptEncoder
-from engine.serving.registry import WorkerRecord, WorkerView, resolve_directory
 from engine.serving.upstream import Started, StreamCut, Upstream, WorkerFailed, WorkerRefused
 
 __all__ = ["Encoded", "Router", "RouterConfig", "add_arguments", "encode_request", "main"]

@@ -27,9 +27,9 @@ from engine.blockstore import GuardedStore, NullStore
 from engine.hf.adapter import HFKVAdapter, model_device
 from engine.hf.workers import DecodeWorker, Handoff, PrefillWorker, greedy_continue
 from engine.planning.scheduler import PrefillModel, PrefillSample, fit_prefill_model
+from engine.registry import WorkerLoad, codec_label
 from engine.serving.loading import LoadedModel
 from engine.serving.prompts import PromptEncoder
-from engine.serving.registry import WorkerLoad, codec_label
 from engine.serving.stores import HandoffReader
 from kvstore.errors import KVStoreError
 

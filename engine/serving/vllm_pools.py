@@ -22,6 +22,14 @@ Per request, as vLLM's disaggregated-prefill proxy does:
 Every answer says where it went: ``x-kvstore-prefill`` (a URL or ``skipped``),
 ``x-kvstore-decode`` and ``x-kvstore-cached-blocks``.
 
+The pools come from flags (``--prefill``, ``--decode``), or with ``--etcd`` from the
+servers registered there (connector ``"register": true``), followed as they start, stop
+and die (engine/serving/vllm_members.py). Registered servers carry their namespace,
+block size and store node, so the cache check asks the store node of the decode server
+the request is headed for, in that server's namespace, and a prefill server beside the
+same store node is preferred. A server's load is the larger of this router's requests
+in flight there and the server's own count (every router's, as of its last report).
+
 The namespace must match the connector's for the cache check to see anything; a
 mismatch (another dtype or block size) only costs the skip, never a wrong answer, since
 each engine's connector finds its own blocks.
@@ -36,6 +44,7 @@ import json
 import logging
 import os
 import sys
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +56,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from engine.registry import WorkerRecord
+from engine.serving.vllm_members import PoolMembers
 from kvstore import Namespace, StoreClient, prefix_keys
 from kvstore.errors import KVStoreError
 
@@ -81,31 +92,81 @@ class PoolsConfig:
     store: str = ""  # host:port of a store node for the cache check ("" = none)
     token: str = field(default="", repr=False)  # "": KVSTORE_TOKEN, as every client
     timeout_s: float = 600.0
+    etcd: str = ""  # host:port: follow the servers registered there, not the lists
+    cluster: str = "default"
+    served_model: str = ""  # the model name the servers register ("" = model)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Server:
     url: str
-    in_flight: int = 0
+    in_flight: int = 0  # this router's requests there now
     failures: int = 0
+    sent: int = 0
+    record: WorkerRecord | None = None  # a registered server's latest record
+
+    @property
+    def busy(self) -> int:
+        """Requests in flight: this router's, or the server's own count when higher."""
+        return max(self.in_flight, self.record.load.running if self.record else 0)
+
+    @property
+    def store_node(self) -> str:
+        return self.record.store_node if self.record else ""
+
+    def report(self) -> dict[str, Any]:
+        """What /health says of it."""
+        rec = self.record
+        return {
+            "url": self.url,
+            "id": rec.worker_id if rec else "",
+            "in_flight": self.in_flight,
+            "reported": rec.load.running if rec else None,
+            "failures": self.failures,
+            "sent": self.sent,
+        }
 
 
 class Pools:
     """The router: prefill then decode over two pools of vLLM servers."""
 
     def __init__(self, config: PoolsConfig) -> None:
-        if not config.prefill or not config.decode:
-            raise ValueError("give at least one prefill and one decode server")
+        if config.etcd and (config.prefill or config.decode):
+            raise ValueError("give --etcd or --prefill/--decode servers, not both")
+        if not config.etcd and (not config.prefill or not config.decode):
+            raise ValueError("give at least one prefill and one decode server, or --etcd")
         self.config = config
         self.prefill = [_Server(u.rstrip("/")) for u in config.prefill]
         self.decode = [_Server(u.rstrip("/")) for u in config.decode]
-        self.namespace = namespace_of(
-            config.model, config.dtype, config.block_size, config.model_id
-        )
+        self.members: PoolMembers | None = None
+        self.namespace: Namespace | None = None  # the flags' (registered servers carry theirs)
+        if config.etcd:
+            model = config.served_model or config.model
+            self.members = PoolMembers(config.etcd, config.cluster, model, self.follow)
+        else:
+            self.namespace = namespace_of(
+                config.model, config.dtype, config.block_size, config.model_id
+            )
         self._tokenizer: Any = None
-        self._store: StoreClient | None = None
+        self._stores: dict[str, StoreClient] = {}  # address -> client (cache checks)
+        self._stores_lock = threading.Lock()  # checks run in worker threads
         self._http: httpx.AsyncClient | None = None
         self.stats = {"requests": 0, "prefill_skipped": 0, "prefill_failed": 0}
+
+    def follow(self, prefill: list[WorkerRecord], decode: list[WorkerRecord]) -> None:
+        """The pools from the registered servers' records (PoolMembers calls it after
+        every change); a server keeps its counters across updates of its record."""
+        known = {s.record.worker_id: s for s in (*self.prefill, *self.decode) if s.record}
+
+        def pool(records: list[WorkerRecord]) -> list[_Server]:
+            servers = []
+            for r in records:
+                s = known.setdefault(r.worker_id, _Server(r.address.rstrip("/")))
+                s.record = r
+                servers.append(s)
+            return servers
+
+        self.prefill, self.decode = pool(prefill), pool(decode)
 
     # -- parts ---------------------------------------------------------------------------
 
@@ -132,18 +193,33 @@ class Pools:
             return list(self.tokenizer()(prompt)["input_ids"])
         return []
 
-    def cached_blocks(self, ids: list[int]) -> tuple[int, int]:
+    def check_target(self, server: _Server) -> tuple[Namespace, int, str]:
+        """(namespace, block size, store address) of the cache check for a request
+        headed to decode ``server``: the flags', or what its record says."""
+        rec = server.record
+        if rec is None:
+            assert self.namespace is not None
+            return self.namespace, self.config.block_size, self.config.store
+        store = self.config.store
+        if not store and rec.store_node and self.members is not None:
+            store = self.members.store_address(rec.store_node) or ""
+        return Namespace(**rec.namespace), rec.block_tokens, store
+
+    def cached_blocks(self, ids: list[int], target: tuple[Namespace, int, str]) -> tuple[int, int]:
         """(blocks the store holds of the prompt's leading full blocks, full blocks)."""
-        keys = prefix_keys(ids, self.config.block_size, self.namespace)
-        if not keys or not self.config.store:
+        namespace, block_size, store = target
+        keys = prefix_keys(ids, block_size, namespace)
+        if not keys or not store:
             return 0, len(keys)
         try:
-            if self._store is None:
-                # no token given: the client's config reads KVSTORE_TOKEN
-                self._store = StoreClient.connect(
-                    self.config.store, token=self.config.token or None, timeout_s=2.0
-                )
-            return self._store.match_prefix(keys), len(keys)
+            with self._stores_lock:
+                client = self._stores.get(store)
+                if client is None:
+                    # no token given: the client's config reads KVSTORE_TOKEN
+                    client = self._stores[store] = StoreClient.connect(
+                        store, token=self.config.token or None, timeout_s=2.0
+                    )
+            return client.match_prefix(keys), len(keys)
         except KVStoreError as exc:
             log.warning("cache check failed (%s): the request goes through prefill", exc)
             return 0, len(keys)
@@ -154,20 +230,26 @@ class Pools:
         return self._http
 
     @staticmethod
-    def _least_busy(servers: list[_Server]) -> list[_Server]:
-        return sorted(servers, key=lambda s: (s.in_flight, s.failures))
+    def _least_busy(servers: list[_Server], near: str = "") -> list[_Server]:
+        """Least busy first; with ``near`` (a store node), the servers beside it first."""
+        return sorted(
+            servers,
+            key=lambda s: (bool(near) and s.store_node != near, s.busy, s.failures, s.sent),
+        )
 
     # -- the request -----------------------------------------------------------------------
 
-    async def _prefill(self, path: str, body: dict[str, Any]) -> str:
-        """Run the prompt on a prefill server (one token, no stream); its URL, or ""
-        when every prefill server failed (the decode server then computes it)."""
+    async def _prefill(self, path: str, body: dict[str, Any], near: str) -> str:
+        """Run the prompt on a prefill server (one token, no stream), one beside store
+        node ``near`` first; its URL, or "" when every prefill server failed (the
+        decode server then computes it)."""
         req = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         req["max_tokens"] = 1
         if "max_completion_tokens" in req:
             req["max_completion_tokens"] = 1
-        for s in self._least_busy(self.prefill):
+        for s in self._least_busy(self.prefill, near):
             s.in_flight += 1
+            s.sent += 1
             try:
                 r = await self.http().post(s.url + path, json=req)
             except httpx.HTTPError as exc:
@@ -194,9 +276,15 @@ class Pools:
         if not isinstance(body, dict):
             return _error(400, "the body must be a JSON object")
         self.stats["requests"] += 1
+        if not self.decode:
+            return _error(503, "no decode server in the pool")
+        # the store the check asks, and the prefill and decode servers prefer: the one
+        # beside the decode server that is least busy now
+        near = self._least_busy(self.decode)[0]
         try:
             ids = await asyncio.to_thread(self.token_ids, path, body)
-            cached, full = await asyncio.to_thread(self.cached_blocks, ids)
+            target = self.check_target(near)
+            cached, full = await asyncio.to_thread(self.cached_blocks, ids, target)
         except Exception as exc:  # the check is an optimization: never fail a request on it
             log.warning("cache check skipped (%s: %s)", type(exc).__name__, exc)
             cached, full = 0, 0
@@ -205,7 +293,7 @@ class Pools:
                 prefill = "skipped"
                 self.stats["prefill_skipped"] += 1
             else:
-                prefill = await self._prefill(path, body) or "failed"
+                prefill = await self._prefill(path, body, near.store_node) or "failed"
         except _Refused as refused:
             return Response(
                 refused.response.content,
@@ -216,13 +304,23 @@ class Pools:
             "x-kvstore-prefill": prefill,
             "x-kvstore-cached-blocks": f"{cached}/{full}",
         }
-        return await self._decode(path, body, headers)
+        return await self._decode(path, body, headers, near.store_node)
 
-    async def _decode(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Response:
+    async def _decode(
+        self, path: str, body: dict[str, Any], headers: dict[str, str], near: str
+    ) -> Response:
+        """Send the request to the least busy decode server (beside store node ``near``
+        first) that takes it: one that cannot be reached, fails before answering or
+        answers 5xx passes it to the next. Chosen now, not before the prefill, so
+        requests that arrived together spread over the pool."""
         http = self.http()
         failed: list[str] = []
-        for s in self._least_busy(self.decode):  # one that cannot be reached: the next
+        order = self._least_busy(self.decode, near)
+        if not order:  # the pool emptied during the prefill
+            return _error(503, "no decode server in the pool", headers)
+        for s in order:
             s.in_flight += 1
+            s.sent += 1
             try:
                 req = http.build_request("POST", s.url + path, json=body)
                 up = await http.send(req, stream=True)
@@ -231,7 +329,7 @@ class Pools:
                 s.failures += 1
                 failed.append(f"{s.url}: {exc}")
                 continue
-            if up.status_code >= 500 and len(failed) + 1 < len(self.decode):
+            if up.status_code >= 500 and len(failed) + 1 < len(order):
                 await up.aclose()
                 s.in_flight -= 1
                 s.failures += 1
@@ -262,6 +360,8 @@ class Pools:
         )
 
     async def models(self, request: Request) -> Response:
+        if not self.decode:
+            return _error(503, "no decode server in the pool")
         s = self._least_busy(self.decode)[0]
         try:
             r = await self.http().get(s.url + "/v1/models")
@@ -270,16 +370,24 @@ class Pools:
         return Response(r.content, r.status_code, media_type="application/json")
 
     async def health(self, request: Request) -> Response:
-        return JSONResponse({"status": "ok", **self.stats})
+        pools = {
+            "prefill": [s.report() for s in self.prefill],
+            "decode": [s.report() for s in self.decode],
+        }
+        return JSONResponse({"status": "ok", **self.stats, "pools": pools})
 
     def app(self) -> Starlette:
         @contextlib.asynccontextmanager
         async def lifespan(app: Starlette) -> AsyncIterator[None]:
+            if self.members is not None:  # etcd out of reach: the router fails to start
+                await self.members.start()
             yield
+            if self.members is not None:
+                await self.members.stop()
             if self._http is not None:
                 await self._http.aclose()
-            if self._store is not None:
-                self._store.close()
+            for client in self._stores.values():
+                client.close()
 
         return Starlette(
             routes=[
@@ -313,12 +421,22 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``kvstore vllm-router``."""
-    p.add_argument("--prefill", action="append", required=True, help="a prefill server URL")
-    p.add_argument("--decode", action="append", required=True, help="a decode server URL")
+    p.add_argument("--prefill", action="append", default=[], help="a prefill server URL")
+    p.add_argument("--decode", action="append", default=[], help="a decode server URL")
+    p.add_argument(
+        "--etcd",
+        default="",
+        help="etcd HOST:PORT: follow the servers registered there (connector "
+        '"register": true) instead of --prefill/--decode',
+    )
+    p.add_argument("--cluster", default=None, help="cluster name in etcd (KVSTORE_CLUSTER)")
     p.add_argument("--model", required=True, help="the served model's directory")
-    p.add_argument("--dtype", default="bfloat16", help="the dtype the servers run")
-    p.add_argument("--block-size", type=int, default=16, help="the servers' --block-size")
-    p.add_argument("--model-id", default="", help="the connector's model_id, if set")
+    p.add_argument(
+        "--served-model-name", default="", help="the name servers register (default: --model)"
+    )
+    p.add_argument("--dtype", default="bfloat16", help="the dtype the servers run (flags only)")
+    p.add_argument("--block-size", type=int, default=16, help="the servers' --block-size (flags)")
+    p.add_argument("--model-id", default="", help="the connector's model_id, if set (flags)")
     p.add_argument("--store", default="", help="host:port of a store node (cache check)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -327,18 +445,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM / SIGINT; prints one JSON ready line with the URL."""
     from engine.serving.http_server import bind, serve_app
+    from kvstore.config import ClusterConfig, resolve_config
 
-    pools = Pools(
-        PoolsConfig(
-            prefill=args.prefill,
-            decode=args.decode,
-            model=args.model,
-            dtype=args.dtype,
-            block_size=args.block_size,
-            model_id=args.model_id,
-            store=args.store,
-        )
+    where = resolve_config(
+        ClusterConfig, flags={"etcd": args.etcd or None, "cluster": args.cluster}
     )
+    try:
+        pools = Pools(
+            PoolsConfig(
+                prefill=args.prefill, decode=args.decode, model=args.model, dtype=args.dtype,
+                block_size=args.block_size, model_id=args.model_id, store=args.store,
+                etcd=args.etcd and where.etcd, cluster=where.cluster,
+                served_model=args.served_model_name,
+            )
+        )  # fmt: skip
+    except ValueError as exc:
+        raise SystemExit(f"kvstore vllm-router: {exc}") from exc
     sock = bind(args.host, args.port)
     url = f"http://{args.host}:{sock.getsockname()[1]}"
     serve_app(pools.app(), sock, {"url": url, "pid": os.getpid()})

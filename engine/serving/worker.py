@@ -20,7 +20,7 @@ decode worker of the same codec (engine/serving/pairing.py).
 A stream that ends without its ``done`` line was cut (the worker died): the router
 turns that into an error for its client, never into a short answer.
 
-The process registers in etcd (engine/serving/registry.py) once it serves, prints one
+The process registers in etcd (engine/registry.py) once it serves, prints one
 JSON ready line on stdout, and revokes its lease on SIGTERM / SIGINT.
 """
 
@@ -44,8 +44,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from engine.registry import ROLES, WorkerRecord, WorkerRegistration, resolve_directory
 from engine.serving.http_server import bind, serve_app
-from engine.serving.registry import ROLES, WorkerRecord, WorkerRegistration, resolve_directory
 from engine.serving.runtime import Faults, WorkerEngine
 from kvstore.client.groups import unit_addresses, unit_names
 from kvstore.codec.registry import codec_names

@@ -58,6 +58,11 @@ they miss. A codec moves whole blocks (the store has no layer ranges of compress
 bytes): ``layerwise`` and ``layerwise_save`` default to off with one, and asking for
 them is refused at start; so are an unknown codec and a device the codec cannot run on.
 
+Pools: ``"register": true`` (with ``etcd``, ``cluster``, ``role``, ``url``,
+``lease_ttl_s``) puts the server in etcd under a lease, with its URL, role, model,
+store node and requests in flight, for ``kvstore vllm-router --etcd`` to follow; the
+scheduler side holds the record (engine/vllm/membership.py).
+
 Not handled: hybrid models (more than one KV cache group), MLA, GPU page layouts
 (refused at start), decode-phase blocks (only prompt blocks are saved). Tensor
 parallelism is untested: each rank stores its shard under its own ``R<rank>``, and the
@@ -76,6 +81,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from engine.blockstore import BlockStore, GuardedStore
+from engine.vllm.membership import Membership
 from engine.vllm.paged import PagedKV
 from engine.vllm.scheduler_side import KVStoreConnectorMetadata, SchedulerSide, require_recompute
 from engine.vllm.store import ConnectorConfig, ConnectorStats, open_client
@@ -165,6 +171,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.store.open()
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._members: Membership | None = None  # "register": this server in etcd
+        if role is KVConnectorRole.SCHEDULER and self.config.register:
+            self._members = Membership.join(self.config, vllm_config, self.namespace)
         if role is KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(
                 self.namespace, self.store, self.stats, load_enabled=load, save_enabled=save
@@ -226,11 +235,18 @@ class KVStoreConnector(KVConnectorBase_V1):
         """After a failed load, plan the save of the recomputed blocks again."""
         self._sched().after_output(connector_output)
 
+    def on_new_request(self, request: Request) -> None:
+        """The scheduler took a request: one more in flight in this server's record."""
+        if self._members is not None:
+            self._members.request_added(request.request_id)
+
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Saves are synchronous, so vLLM may free the blocks at once."""
         self._sched().finished(request)
+        if self._members is not None:
+            self._members.request_finished(request.request_id)
         return False, None
 
     # -- worker side ----------------------------------------------------------------------
@@ -268,7 +284,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         return self._work().load_errors()
 
     def shutdown(self) -> None:
-        """Close the store client; log what this side did."""
+        """Leave the pool (the server's record goes at once), close the store client;
+        log what this side did."""
+        if self._members is not None:
+            self._members.stop()
         if self._worker is not None:
             self._worker.shutdown()
         logger.info("KVStoreConnector (%s) stats: %s", self.role.name.lower(),

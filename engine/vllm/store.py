@@ -57,6 +57,14 @@ class ConnectorConfig:
             share blocks only with engines of the same codec. A compressed block is
             opaque bytes to the store, which has no layer ranges of it: the layer-wise
             defaults are off with a codec, and asking for them with one is refused.
+        register: put this ``vllm serve`` in etcd under a lease (its URL, role, model,
+            store node and requests in flight), for ``kvstore vllm-router --etcd``;
+            engine/vllm/membership.py. The next five keys are its settings and need it.
+        etcd: ``host:port`` of etcd (empty: ``KVSTORE_ETCD``, else 127.0.0.1:2379).
+        cluster: the cluster's name there (empty: ``KVSTORE_CLUSTER``, else default).
+        role: ``prefill``, ``decode`` or ``both`` (empty: from ``kv_role``).
+        url: the OpenAI server's URL routers dial (empty: from its --host and --port).
+        lease_ttl_s: seconds the record outlives a server that died without a word.
     """
 
     endpoint: str
@@ -73,8 +81,15 @@ class ConnectorConfig:
     transport: str = "auto"
     verify: bool = True
     kv_codec: str = ""
+    register: bool = False
+    etcd: str = ""
+    cluster: str = ""
+    role: str = ""
+    url: str = ""
+    lease_ttl_s: int = 10
 
     def __post_init__(self) -> None:
+        _check_registration(self)
         if not self.endpoint:
             raise ConfigError("kv_connector_extra_config needs 'endpoint' (host:port)")
         codec = normalize_codec(self.kv_codec)  # an unknown name fails here, at start
@@ -116,6 +131,23 @@ class ConnectorConfig:
             values.setdefault("layerwise", False)
             values.setdefault("layerwise_save", False)
         return cls(**values)
+
+
+_REGISTRATION_KEYS = ("etcd", "cluster", "role", "url")
+
+
+def _check_registration(c: ConnectorConfig) -> None:
+    """The registration keys are settings of ``register`` and are refused without it,
+    so a typo'd ``"register"`` never leaves a server silently out of its pool."""
+    given = [k for k in _REGISTRATION_KEYS if getattr(c, k)]
+    if given and not c.register:
+        raise ConfigError(f'kv_connector_extra_config {given} need "register": true')
+    if c.role not in ("", "prefill", "decode", "both"):
+        raise ConfigError(f"kv_connector_extra_config role {c.role!r}: prefill, decode or both")
+    if c.url and not c.url.startswith(("http://", "https://")):
+        raise ConfigError(f"kv_connector_extra_config url {c.url!r}: expected http(s)://host:port")
+    if c.lease_ttl_s < 1:
+        raise ConfigError("kv_connector_extra_config 'lease_ttl_s' must be >= 1")
 
 
 @dataclass(slots=True)

@@ -109,7 +109,7 @@ class _Compacted(DirectoryError):
 
 def translate(exc: BaseException, what: str) -> KVStoreError:
     """One foreign error -> the kvstore error a caller can act on (also for the serving
-    registry's aetcd calls, engine/serving/registry.py: one mapping for both)."""
+    registry's aetcd calls, engine/registry.py: one mapping for both)."""
     cause: BaseException = exc
     if isinstance(exc, aetcd.exceptions.ClientError) and isinstance(exc.__cause__, grpc.RpcError):
         cause = exc.__cause__

@@ -263,7 +263,7 @@ def test_serving_registry_uses_etcd_credentials(
 ) -> None:
     """Workers register and routers watch through the same credentials (here from the
     environment, as the worker and router processes get them)."""
-    from engine.serving.registry import WorkerRecord, WorkerRegistration, WorkerView
+    from engine.registry import WorkerRecord, WorkerRegistration, WorkerView
 
     record = WorkerRecord("w1", "both", "tiny", "http://127.0.0.1:1", {"model": "tiny"})
 

@@ -18,7 +18,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ import httpx
 from tests.support.server_process import ALPHA, ServerProcess, base_flags
 from tests.support.vllm_fixtures import BLOCK, engine_env
 
-__all__ = ["ApiServer", "free_port", "serve_stack", "vllm_router"]
+__all__ = ["ApiServer", "connector", "etcd_router", "free_port", "serve_stack", "vllm_router"]
 
 ROOT = Path(__file__).resolve().parents[2]
 START_S = 300.0
@@ -43,7 +43,13 @@ class ApiServer:
     """One vLLM OpenAI server on a free loopback port."""
 
     def __init__(
-        self, model: Path, root: Path, name: str, kv: dict[str, Any] | None, dtype: str
+        self,
+        model: Path,
+        root: Path,
+        name: str,
+        kv: dict[str, Any] | None,
+        dtype: str,
+        extra_args: Sequence[str] = (),
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -57,10 +63,20 @@ class ApiServer:
         ]  # fmt: skip
         if kv is not None:
             argv += ["--kv-transfer-config", json.dumps(kv)]
+        argv += list(extra_args)
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
                 argv, stdout=log, stderr=subprocess.STDOUT, env=engine_env(root), cwd=ROOT
             )
+
+    def pids(self) -> list[int]:
+        """The API server's PID and its children's (the engine core), children first."""
+        task = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
+        try:
+            children = [int(p) for p in task.read_text().split()]
+        except OSError:
+            children = []
+        return [*children, self.proc.pid]
 
     def wait_ready(self) -> None:
         end = time.monotonic() + START_S
@@ -85,12 +101,13 @@ class ApiServer:
                 self.proc.wait(30)
 
 
-def _connector(role: str, store: ServerProcess) -> dict[str, Any]:
+def connector(role: str, store: ServerProcess, **extra: Any) -> dict[str, Any]:
+    """A ``--kv-transfer-config`` for kvstore's connector (``extra``: more of its keys)."""
     return {
         "kv_connector": "KVStoreConnector",
         "kv_connector_module_path": "engine.vllm.connector",
         "kv_role": role,
-        "kv_connector_extra_config": {"endpoint": store.address, "token": ALPHA.token},
+        "kv_connector_extra_config": {"endpoint": store.address, "token": ALPHA.token, **extra},
     }
 
 
@@ -105,13 +122,28 @@ def vllm_router(
     name: str = "router",
 ) -> Iterator[str]:
     """``kvstore vllm-router`` in front of ``prefill`` and ``decode``; yields its URL."""
-    argv = [sys.executable, "-m", "engine.serving.vllm_pools", "--model", str(model),
-            "--dtype", dtype, "--block-size", str(BLOCK), "--store", store.address,
-            "--port", "0"]  # fmt: skip
+    argv = ["--model", str(model), "--dtype", dtype, "--block-size", str(BLOCK),
+            "--store", store.address]  # fmt: skip
     for url in prefill:
         argv += ["--prefill", url]
     for url in decode:
         argv += ["--decode", url]
+    with _router(root, argv, name) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def etcd_router(root: Path, model: Path, etcd: str, cluster: str) -> Iterator[str]:
+    """``kvstore vllm-router --etcd``: pools of the servers registered there."""
+    with _router(
+        root, ["--model", str(model), "--etcd", etcd, "--cluster", cluster], "router-etcd"
+    ) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def _router(root: Path, flags: list[str], name: str) -> Iterator[str]:
+    argv = [sys.executable, "-m", "engine.serving.vllm_pools", "--port", "0", *flags]
     log_path = root / f"{name}.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
@@ -144,7 +176,7 @@ def serve_stack(root: Path, model: Path, dtype: str) -> Iterator[dict[str, Any]]
         stack.callback(store.stop)
         servers: dict[str, ApiServer] = {}
         for name, role in (("prefill", "kv_producer"), ("decode", "kv_consumer"), ("plain", "")):
-            kv = _connector(role, store) if role else None
+            kv = connector(role, store) if role else None
             servers[name] = ApiServer(model, root, name, kv, dtype)
             stack.callback(servers[name].stop)
         for s in servers.values():

@@ -10,9 +10,9 @@ import logging
 import pytest
 
 from engine.planning.scheduler import Refusal
+from engine.registry import WorkerLoad, WorkerRecord
 from engine.serving.pairing import CodecMismatch, UnpairedLog, describe_codecs, unpaired
 from engine.serving.placement import Placer, PrefixView, Route
-from engine.serving.registry import WorkerLoad, WorkerRecord
 from kvstore.errors import DirectoryError
 
 LAYOUT = "bfloat16:L2:H2:D16:B16:R0"

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import pytest
 
 from engine.planning.scheduler import Refusal
+from engine.registry import WorkerLoad, WorkerRecord
 from engine.serving.placement import Outstanding, choose_decode, proximity
-from engine.serving.registry import WorkerLoad, WorkerRecord
 
 NS = {"model": "tiny", "layout": "fp32:L2:H2:D32:B16", "tenant": ""}
 

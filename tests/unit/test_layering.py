@@ -32,7 +32,7 @@ APART = [("client", "server"), ("server", "client")]
 
 # engine/: what each group drives, over the one store protocol; serving composes them.
 ENGINE_LAYERS: list[set[str]] = [
-    {"blockstore"},
+    {"blockstore", "registry"},  # what they share: the store, serving records in etcd
     {"hf", "vllm", "planning"},
     {"serving"},
     {"demo"},

@@ -1,8 +1,14 @@
-"""Serving workers in etcd: a worker's record under its lease, and the router's view.
+"""Serving processes in etcd: a server's record under its lease, and a router's view.
 
 Key layout (beside the store's directory, same cluster prefix)::
 
-    /kvstore/<cluster>/workers/<worker_id>   WorkerRecord JSON, under the worker's lease
+    /kvstore/<cluster>/workers/<worker_id>        ``kvstore worker`` (its own HTTP API)
+    /kvstore/<cluster>/vllm-servers/<server_id>   ``vllm serve`` whose kvstore connector
+                                                  has ``"register": true`` (OpenAI API)
+
+Both hold a WorkerRecord (JSON) under the process's lease, written and followed by the
+same two classes; the two prefixes keep each router to the servers that speak its API
+(``kvstore router`` -> workers, ``kvstore vllm-router`` -> vLLM servers).
 
 A worker registers once (:class:`WorkerRegistration`) and rewrites its record as its
 load changes, at most every ``min_interval_s`` and only when it changed, always under
@@ -40,6 +46,8 @@ from kvstore.layout import KVLayout
 __all__ = [
     "resolve_directory",
     "ROLES",
+    "store_units",
+    "vllm_servers_prefix",
     "codec_label",
     "WorkerLoad",
     "WorkerRecord",
@@ -63,6 +71,11 @@ def codec_label(name: str | None) -> str:
 def workers_prefix(cluster: str) -> bytes:
     """Every worker record of a cluster lives under this."""
     return f"/kvstore/{cluster}/workers/".encode()
+
+
+def vllm_servers_prefix(cluster: str) -> bytes:
+    """Every registered ``vllm serve`` of a cluster lives under this."""
+    return f"/kvstore/{cluster}/vllm-servers/".encode()
 
 
 def host_id() -> str:
@@ -198,9 +211,11 @@ class WorkerRegistration:
         ttl: int = 10,
         min_interval_s: float = 0.2,
         auth: EtcdAuth | None = None,
+        prefix: bytes | None = None,
     ) -> None:
         self.endpoint, self.cluster, self.auth = endpoint, cluster, _auth(auth)
         self.ttl, self.min_interval_s = ttl, min_interval_s
+        self.prefix = workers_prefix(cluster) if prefix is None else prefix
         self._client: Any = None
         self._lease: Any = None
         self._record: WorkerRecord | None = None
@@ -211,11 +226,17 @@ class WorkerRegistration:
     @property
     def key(self) -> bytes:
         assert self._record is not None
-        return workers_prefix(self.cluster) + self._record.worker_id.encode()
+        return self.prefix + self._record.worker_id.encode()
+
+    async def connect(self) -> None:
+        """Reach etcd (raises Unavailable when it cannot): ``start`` does it when not
+        done before, so a caller may check etcd first and write its record later."""
+        if self._client is None:
+            self._client = await _client(self.endpoint, self.auth, self.prefix)
 
     async def start(self, record: WorkerRecord) -> None:
         self._record = record
-        self._client = await _client(self.endpoint, self.auth, workers_prefix(self.cluster))
+        await self.connect()
         await self._register()
         self._task = asyncio.create_task(self._run(), name="worker-registration")
 
@@ -286,10 +307,17 @@ class WorkerView:
     """
 
     def __init__(
-        self, endpoint: str, cluster: str, *, retry_s: float = 0.5, auth: EtcdAuth | None = None
+        self,
+        endpoint: str,
+        cluster: str,
+        *,
+        retry_s: float = 0.5,
+        auth: EtcdAuth | None = None,
+        prefix: bytes | None = None,
     ) -> None:
         self.endpoint, self.cluster, self.retry_s = endpoint, cluster, retry_s
         self.auth = _auth(auth)
+        self.prefix = workers_prefix(cluster) if prefix is None else prefix
         self._workers: dict[str, WorkerRecord] = {}
         self._task: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
@@ -324,7 +352,7 @@ class WorkerView:
         return True
 
     async def _run(self) -> None:
-        prefix = workers_prefix(self.cluster)
+        prefix = self.prefix
         end = prefix[:-1] + bytes([prefix[-1] + 1])
         while True:
             client = None
@@ -384,6 +412,22 @@ class WorkerView:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+
+
+async def store_units(endpoint: str, cluster: str, auth: EtcdAuth | None = None) -> dict[str, str]:
+    """The store nodes registered in the cluster's directory: write unit (a node id, or
+    a sharded node's group) -> the address a client dials. One etcd read, no mirror:
+    a server finds the node beside it, a router the node a server names."""
+    from kvstore.client.groups import unit_addresses
+    from kvstore.directory.etcd import EtcdDirectory  # aetcd is optional
+
+    directory = EtcdDirectory(endpoint, cluster, auth=_auth(auth))
+    await directory.open()
+    try:
+        nodes = await directory.list_nodes()
+    finally:
+        await directory.close()
+    return unit_addresses({n.node_id: n for n in nodes})
 
 
 def resolve_directory(args: Any) -> Any:
