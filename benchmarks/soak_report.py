@@ -45,6 +45,7 @@ class Proc:
     thread_names: dict[str, int] = field(default_factory=dict)  # name -> how many
     fd_kinds: dict[str, int] = field(default_factory=dict)  # socket, pipe, file, anon_inode:...
     sockets: list[str] = field(default_factory=list)  # each socket fd's ends, for a leak's reader
+    files: list[str] = field(default_factory=list)  # each regular file fd's path, likewise
 
 
 def proc_facts(pid: int) -> Proc:
@@ -63,6 +64,7 @@ def proc_facts(pid: int) -> Proc:
         thread_names=dict(Counter(_thread_names(pid))),
         fd_kinds=dict(Counter(_fd_kinds(pid))),
         sockets=_sockets(pid),
+        files=_files(pid),
     )
 
 
@@ -120,6 +122,17 @@ def _fd_kinds(pid: int) -> list[str]:
                 else (target if target.startswith("anon_inode:") else "file")
             )
     return kinds
+
+
+def _files(pid: int) -> list[str]:
+    """The paths of the process's fds that are files (not sockets, pipes or anon inodes)."""
+    out = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if not target.startswith("anon_inode:") and ":[" not in target:
+                out.append(target)
+    return sorted(out)
 
 
 def _thread_names(pid: int) -> list[str]:

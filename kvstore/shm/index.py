@@ -41,7 +41,7 @@ import struct
 import numpy as np
 
 from kvstore.errors import StorageError
-from kvstore.shm.segment import SHM_DIR, map_segment
+from kvstore.shm.segment import SHM_DIR, map_segment, unmap
 
 __all__ = ["IndexReader", "IndexWriter", "index_name", "reader_supported"]
 
@@ -240,6 +240,5 @@ class IndexReader:
         for attr in ("_seq", "_off", "_live"):
             if hasattr(self, attr):
                 delattr(self, attr)
-        with contextlib.suppress(BufferError):
-            self._mm.close()
+        unmap(self._mm)
         self._mm = None

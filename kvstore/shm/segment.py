@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gc
 import logging
 import mmap
 import os
@@ -22,7 +23,7 @@ import re
 
 from kvstore.errors import ConfigError, StorageError
 
-__all__ = ["SHM_DIR", "hold_segment", "map_segment", "owned_name", "sweep_stale"]
+__all__ = ["SHM_DIR", "hold_segment", "map_segment", "owned_name", "sweep_stale", "unmap"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,28 @@ def map_segment(name: str, size: int, *, create: bool) -> mmap.mmap:
         raise StorageError(f"cannot map {path}: {exc}") from exc
     finally:
         os.close(fd)
+
+
+def unmap(mm: mmap.mmap) -> bool:
+    """Close a mapping unless a view of it is still alive; True when it closed.
+
+    A mapping keeps a duplicate of its file's descriptor until it closes, and it cannot
+    close while a numpy view of it lives. A view held only by a reference cycle (a
+    failed call's traceback holding the frame that held an extent) would keep both
+    until the cyclic collector happened to run, so a closed client could hold a
+    segment's descriptor (and a dead node's memory) for as long: one collection here,
+    at a close, frees them now. A view the caller still holds keeps the mapping, safely,
+    until it goes."""
+    try:
+        mm.close()
+        return True
+    except BufferError:
+        gc.collect()
+    try:
+        mm.close()
+        return True
+    except BufferError:
+        return False
 
 
 def hold_segment(name: str) -> int:

@@ -77,5 +77,6 @@ def test_a_minute_of_faults_reads_no_wrong_bytes_and_leaks_nothing(tmp_path: Pat
     to_etcd = [o for o in opened if o.split("->")[-1].split()[0].endswith(f":{etcd_port}")]
     assert to_etcd == [], (to_etcd, report.get("endpoints"), client)
     allowed = GRPC_AIO_FDS if extra else 0
-    kinds = (before["fd_kinds"], after["fd_kinds"])  # which kind of descriptor stayed
+    files = sorted(set(after["files"]) - set(before["files"]))
+    kinds = (before["fd_kinds"], after["fd_kinds"], files)  # which descriptor stayed
     assert after["fds"] <= before["fds"] + allowed, (kinds, opened, dict(extra), after["fds"])

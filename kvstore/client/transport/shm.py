@@ -43,7 +43,6 @@ and use TCP, where every key is scoped by the token's tenant on the server.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import mmap
 import time
@@ -81,7 +80,7 @@ from kvstore.errors import (
 )
 from kvstore.observe.counters import NodeCounters
 from kvstore.shm.prefault import Prefaulter
-from kvstore.shm.segment import map_segment
+from kvstore.shm.segment import map_segment, unmap
 from kvstore.wire.codec import error_of, meta_of
 from kvstore.wire.frames import Op
 
@@ -146,8 +145,7 @@ class Segment:
             self.prefaulter.stop()  # before the mapping may go
             del self.view
             # a caller may still hold a view; the mapping then goes when the view does
-            with contextlib.suppress(BufferError):
-                self._mm.close()
+            unmap(self._mm)
             self._mm = None
 
 
