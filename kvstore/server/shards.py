@@ -120,7 +120,6 @@ class ShardSupervisor:
         self.env = dict(os.environ if env is None else env)
         self.children: list[Child | None] = [None] * plan.count
         self.ports: list[tuple[int, int]] = [(0, 0)] * plan.count
-        self.peers: tuple[ShardPeer, ...] = ()
         self.deaths: list[list[float]] = [[] for _ in range(plan.count)]
         self.stopping = threading.Event()
         self.metrics: Any = None  # kvstore.observe.federate.FederatedMetrics when served
@@ -135,24 +134,25 @@ class ShardSupervisor:
             wait_ready(rest, time.monotonic() + READY_TIMEOUT_S)
             for i, child in enumerate(rest, start=1):
                 self.ports[i] = (int(child.facts["port"]), int(child.facts["data_port"]))
-            self.peers = tuple(
-                ShardPeer(i, self.plan.address(p[0]), shard_name(self.plan.node.node_id, i))
-                for i, p in enumerate(self.ports)
-            )
             first = self._spawn(0)
             wait_ready([first], time.monotonic() + READY_TIMEOUT_S)
             self.ports[0] = (int(first.facts["port"]), int(first.facts["data_port"]))
-            self.peers = (
-                ShardPeer(0, self.plan.address(self.ports[0][0]), self.peers[0].node_id),
-                *self.peers[1:],
-            )
             self._start_metrics()
         except BaseException:
             self.stop()
             raise
 
+    def peers(self) -> tuple[ShardPeer, ...]:
+        """Every shard's address from the ports known now (shard 0, asked for port 0 at
+        its first start, names its own bound address in Info: StoreServer._shard_info)."""
+        name = self.plan.node.node_id
+        return tuple(
+            ShardPeer(i, self.plan.address(p[0]), shard_name(name, i))
+            for i, p in enumerate(self.ports)
+        )
+
     def _spawn(self, index: int) -> Child:
-        flags = self.plan.flags(index, self.ports[index], self.peers)
+        flags = self.plan.flags(index, self.ports[index], self.peers())
         child = spawn(
             shard_name(self.plan.node.node_id, index), serve_argv(flags), log=None, env=self.env
         )

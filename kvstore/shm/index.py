@@ -153,8 +153,7 @@ class IndexWriter:
             return
         self._mm[_LIVE_AT : _LIVE_AT + 8] = b"\0" * 8
         del self._seq, self._off, self._view
-        with contextlib.suppress(BufferError):
-            self._mm.close()
+        unmap(self._mm)
         self._mm = None
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(SHM_DIR, self.name))
