@@ -35,6 +35,17 @@ def fresh(n: int) -> list[bytes]:
     return [os.urandom(16) for _ in range(n)]
 
 
+def spread(n: int, count: int = 2) -> list[bytes]:
+    """Random keys where key i lands on shard i % count, so any ``count`` of them in a
+    row span the shards (eight random keys all on one of two shards is 1 in 128)."""
+    keys: list[bytes] = []
+    while len(keys) < n:
+        key = os.urandom(16)
+        if shard_of(key, count) == len(keys) % count:
+            keys.append(key)
+    return keys
+
+
 def values(n: int, seed: int) -> list[np.ndarray]:
     """Distinct arrays of different sizes, so a value landing at another key shows."""
     rng = np.random.default_rng(seed)
@@ -67,7 +78,7 @@ def shard_clients(sharded_node: ShardedNode) -> Iterator[list[StoreClient]]:
 def test_each_key_lives_on_its_own_shard(
     sharded_node: ShardedNode, client: StoreClient, shard_clients: list[StoreClient]
 ) -> None:
-    keys, vals = fresh(48), values(48, 1)
+    keys, vals = spread(48), values(48, 1)
     on_both(keys)
     before = [sharded_node.shard_blocks(i) for i in range(2)]
     assert client.shards == 2
@@ -83,7 +94,7 @@ def test_each_key_lives_on_its_own_shard(
 
 
 def test_every_data_call_round_trips_bytes_in_order(client: StoreClient) -> None:
-    keys, vals = fresh(24), values(24, 2)
+    keys, vals = spread(24), values(24, 2)
     on_both(keys)
     assert client.batch_put(keys, vals) == [True] * 24
     assert client.batch_put(keys[:3], vals[:3]) == [False] * 3  # stored already
@@ -103,7 +114,7 @@ def test_every_data_call_round_trips_bytes_in_order(client: StoreClient) -> None
 
 
 def test_layer_ranges_come_from_each_keys_shard(client: StoreClient) -> None:
-    keys = fresh(8)
+    keys = spread(8)
     on_both(keys)
     blocks = [np.random.default_rng(i).standard_normal(SHAPE).astype(np.float16) for i in range(8)]
     assert client.batch_put(keys, blocks) == [True] * 8
@@ -128,7 +139,7 @@ def test_match_prefix_exists_and_remove_span_the_shards(client: StoreClient) -> 
 
 
 def test_a_layered_put_writes_each_shards_blocks(client: StoreClient) -> None:
-    keys = fresh(6)
+    keys = spread(6)
     on_both(keys)
     blocks = [
         np.random.default_rng(10 + i).standard_normal(SHAPE).astype(np.float16) for i in range(6)
@@ -160,7 +171,7 @@ def test_a_layered_put_writes_each_shards_blocks(client: StoreClient) -> None:
 
 
 def test_the_async_client_sees_one_node(sharded_node: ShardedNode) -> None:
-    keys, vals = fresh(16), values(16, 4)
+    keys, vals = spread(16), values(16, 4)
     on_both(keys)
 
     async def body() -> None:
@@ -209,7 +220,7 @@ def test_admin_calls_see_the_whole_node(sharded_factory: ShardedFactory) -> None
         assert c.set_draining(True) and c.health() == "draining"
         assert _shard_health(node) == ["draining"] * 2
         assert not c.set_draining(False) and c.health() == "serving"
-        keys = fresh(20)
+        keys = spread(20)
         on_both(keys)
         assert c.batch_put(keys, values(20, 5)) == [True] * 20
         tiers = c.control("Lookup", pb.KeysRequest(keys=[*keys, fresh(1)[0]])).tier
@@ -231,7 +242,7 @@ def test_admin_calls_see_the_whole_node(sharded_factory: ShardedFactory) -> None
 
 
 def test_control_rpcs_answer_for_the_node(client: StoreClient) -> None:
-    keys = fresh(12)
+    keys = spread(12)
     on_both(keys)
     assert client.batch_put(keys, values(12, 11)) == [True] * 12
     extra = fresh(1)
@@ -246,7 +257,7 @@ def test_control_rpcs_answer_for_the_node(client: StoreClient) -> None:
 
 def test_a_drain_moves_a_sharded_node_into_another(sharded_factory: ShardedFactory) -> None:
     source, target = sharded_factory(group="source"), sharded_factory(group="target")
-    keys = fresh(20)
+    keys = spread(20)
     on_both(keys)
     with source.client(ALPHA) as c:
         assert c.batch_put(keys, values(20, 12)) == [True] * 20
@@ -273,7 +284,7 @@ def _shard_health(node: ShardedNode) -> list[str]:
 
 def test_a_stopped_shard_fails_only_its_own_keys(sharded_factory: ShardedFactory) -> None:
     node = sharded_factory()
-    keys, vals = fresh(32), values(32, 6)
+    keys, vals = spread(32), values(32, 6)
     on_both(keys)
     down = [shard_of(k, 2) == 1 for k in keys]
     # A down shard's calls wait out their deadline (as a down node's do): keep it short.
@@ -310,7 +321,7 @@ def test_a_layered_put_keeps_the_shards_that_live(
     sharded_factory: ShardedFactory, transport: str
 ) -> None:
     node = sharded_factory()
-    keys = fresh(8)
+    keys = spread(8)
     on_both(keys)
     lost = [shard_of(k, 2) == 1 for k in keys]
     block = np.ones(SHAPE, np.float16)
@@ -329,7 +340,7 @@ def test_a_layered_put_keeps_the_shards_that_live(
 
 
 def test_tenants_never_see_each_other_through_the_node(sharded_node: ShardedNode) -> None:
-    keys = fresh(16)
+    keys = spread(16)
     on_both(keys)
     a_vals, b_vals = values(16, 8), [b"bravo's" * 50] * 16
     with sharded_node.client(ALPHA) as a, sharded_node.client(BRAVO) as b:
@@ -414,7 +425,7 @@ def test_kvstore_serve_shards_is_one_node_to_a_client(
 ) -> None:
     shards = served.facts["shards"]
     assert [s["index"] for s in shards] == [0, 1]
-    keys, vals = fresh(32), values(32, 9)
+    keys, vals = spread(32), values(32, 9)
     on_both(keys)
     with served.client(ALPHA, transport=transport) as c:
         assert c.shards == 2
