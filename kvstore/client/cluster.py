@@ -14,7 +14,7 @@ StoreClient's, answered cluster-wide:
   passes the write to the next in that order; a draining node (its directory record
   says so) is skipped, so the writer moves off it as soon as the mirror sees the drain.
   A node sharded across processes (``kvstore serve --shards N``) is one choice: each
-  key goes to its shard ``shard_of(key, N)`` (every client agrees, a single-address
+  key goes to its shard ``shard_of(stored key, N)`` (every client agrees, a single-address
   client of that node included), shards in parallel, and a down shard's keys to the
   next node in the order (kvstore/client/groups.py).
 - **gets** go to the nearest replica the mirror knows (same host before other hosts;

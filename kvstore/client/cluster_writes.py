@@ -49,7 +49,7 @@ class ClusterWrites:
         for n, unit in enumerate(plan):
             if not todo:
                 break
-            placed, todo = unit.split(ks, todo, members.usable)
+            placed, todo = unit.split(scoped, todo, members.usable)
             left = share(deadline, len(plan) - n)
 
             def put(item: Item, left: float = left) -> Any:
@@ -94,7 +94,7 @@ class ClusterWrites:
             for n, unit in enumerate(plan):
                 if not todo and (parts or ks):  # no keys: an empty write on the writer
                     break
-                placed, todo = unit.split(ks, todo, members.usable)
+                placed, todo = unit.split(scoped, todo, members.usable)
                 left = share(deadline, len(plan) - n)
 
                 def begin(item: Item, left: float = left) -> Any:

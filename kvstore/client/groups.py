@@ -2,11 +2,12 @@
 
 A node served by ``kvstore serve --shards N`` registers each shard as a node of its
 own (``<group>.s<i>``, kvstore/wire/shards.py), but a writer must treat the N of them
-as one: every client, on every host, sends key ``k`` to shard ``shard_of(k, N)`` of
-the group it writes to, so a single-address client of that node (which routes by
-``shard_of`` alone, without the directory) finds the block where a cluster client put
-it. Choosing shards one by one would scatter a prompt's blocks over the shards of
-different nodes and break that.
+as one: every client, on every host, sends key ``k`` to shard ``shard_of(s, N)`` of
+the group it writes to (``s``: ``k`` as nodes store it, scoped by the writer's
+tenant), so a single-address client of that node (which routes by ``shard_of`` alone,
+without the directory) finds the block where a cluster client put it. Choosing
+shards one by one would scatter a prompt's blocks over the shards of different nodes
+and break that.
 
 :func:`write_units` folds the directory's node records into units; :meth:`WriteUnit.
 split` places a batch's keys on the unit's shards. Reads need neither: the directory
@@ -49,7 +50,8 @@ class WriteUnit:
     def split(
         self, keys: Sequence[bytes], todo: Sequence[int], usable: Callable[[str], bool]
     ) -> tuple[dict[str, list[int]], list[int]]:
-        """Place the keys at positions ``todo``: per node, the positions it takes (in
+        """Place the keys at positions ``todo`` (``keys``: stored, tenant-scoped keys, as
+        every client of the node places them): per node, the positions it takes (in
         order), and the positions whose shard is missing or not ``usable`` now (for the
         next unit of the write order)."""
         if not self.sharded:

@@ -2,8 +2,10 @@
 
 ``kvstore serve --shards N`` (kvstore/server/shards.py) serves one node from N
 processes. Shard 0 answers at the address users dial and lists every shard in its Info
-reply; a key lives on shard ``shard_of(key, N)`` (kvstore/wire/shards.py), the same
-shard for every client, so a put and a later get meet without asking anyone. A
+reply; a key lives on shard ``shard_of(stored key, N)`` (kvstore/wire/shards.py): the
+key as the node stores it, scoped by the caller's tenant with the scope key Info gave
+it, so every client of the tenant, and a drain that moves stored blocks, place it on
+the same shard, and a put and a later get meet without asking anyone. A
 StoreClient that finds ``shard_count > 1`` in shard 0's Info hands its calls to a
 :class:`ShardedClient` (kvstore/client/api.py), which holds one NodeClient per shard:
 shard 0's is the StoreClient itself (its connection reused), the others are opened at
@@ -50,6 +52,7 @@ from kvstore.client.sharded_layers import ShardedLayeredPut
 from kvstore.client.store import NodeClient
 from kvstore.errors import ConfigError, ConflictError, InvalidValue, KVStoreError
 from kvstore.keys import Namespace
+from kvstore.tenants import DEFAULT_TENANT, Principal
 from kvstore.wire.shards import shard_of
 
 __all__ = ["ShardedClient"]
@@ -76,6 +79,9 @@ class ShardedClient:
                 f"{[int(s.index) for s in info.shards]}, expected 0-{self.count - 1}"
             )
         self.first = first
+        # Placement is by stored key: the same for this tenant's keys and for blocks a
+        # drain imports by the stored key alone (kvstore/client/sharded_control.py).
+        self._scope = Principal(info.tenant or DEFAULT_TENANT, scope_key=info.scope_key).scope_all
         # The first client's connector already carries its fault plan (kvstore/faults.py):
         # the shards share it as one client, not one plan each.
         config = dataclasses.replace(first.config, faults="")
@@ -111,13 +117,18 @@ class ShardedClient:
         return c
 
     def split(self, keys: Sequence[bytes]) -> Groups:
-        """The shards ``keys`` live on, each with the positions of its keys, in shard
-        order (no keys: shard 0, so an empty call behaves as on a whole node)."""
-        if not keys:
+        """The shards the caller's ``keys`` live on, each with the positions of its
+        keys, in shard order (no keys: shard 0, so an empty call behaves as on a whole
+        node)."""
+        return self.split_stored(self._scope(keys))
+
+    def split_stored(self, stored: Sequence[bytes]) -> Groups:
+        """:meth:`split` for keys as the node stores them (tenant-scoped)."""
+        if not stored:
             return [(0, [])]
         n = self.count
         by: dict[int, list[int]] = {}
-        for i, k in enumerate(keys):
+        for i, k in enumerate(stored):
             by.setdefault(shard_of(k, n), []).append(i)
         return sorted(by.items())
 
@@ -146,7 +157,7 @@ class ShardedClient:
 
     def _key(self, key: bytes) -> tuple[NodeClient, bytes]:
         k = self.first._as_keys([key])[0]
-        return self.node(shard_of(k, self.count)), k
+        return self.node(shard_of(self._scope((k,))[0], self.count)), k
 
     # -- data ------------------------------------------------------------------------------
 

@@ -11,11 +11,9 @@ the replies are merged into the one reply a whole node would give:
 - by stored keys (tenant-scoped, as the node holds them and Scan lists them; they do
   not tell their shard): ``Export`` asks every shard for every key and takes the shard
   that has each; ``Purge`` asks every shard and sums.
-- ``Import`` sends each block to shard ``shard_of(stored key)``: a drain's stored keys
-  cannot be traced back to the caller's keys, so imported blocks are spread over the
-  shards as evenly as written ones, found by cluster clients through the directory
-  (each shard announces its own blocks), and may be a miss for a client of this node
-  that routes the owner's key to another shard (a miss, never wrong bytes).
+- ``Import`` sends each block to shard ``shard_of(stored key)``, where its owner's
+  own puts would have put it (placement is by stored key, kvstore/client/sharded.py),
+  so a block a drain moves into a sharded node is found by its owner's clients.
 - the node as a whole: ``Scan`` (every shard's list, at most ``limit`` in all, ``more``
   if any shard had more or the merge cut some), ``Evict`` (each shard holds 1/N of
   the tier, so each is asked down to 1/N of ``target_bytes``; counts and bytes summed,
@@ -53,6 +51,8 @@ class Shards(Protocol):
     group: str
 
     def split(self, keys: Sequence[bytes]) -> Groups: ...
+
+    def split_stored(self, stored: Sequence[bytes]) -> Groups: ...
 
     def each_group(
         self, groups: Groups, call: Callable[[NodeClient, list[int]], T]
@@ -179,7 +179,7 @@ def _purge(sc: Shards, request: Any, timeout: float | None) -> Any:
 
 def _import(sc: Shards, request: Any, timeout: float | None) -> Any:
     items = list(request.items)
-    groups = sc.split([it.key for it in items])
+    groups = sc.split_stored([it.key for it in items])
 
     def call(c: NodeClient, idx: list[int]) -> Any:
         sub = pb.PutRequest(scope=request.scope, items=pick(items, idx))

@@ -50,7 +50,7 @@ class NodeInfo:
         group / shard / shards: a node sharded across processes (``kvstore serve
             --shards N``, kvstore/wire/shards.py) registers each shard as a node of
             its own, named ``<group>.s<shard>``; a writer sends each key to shard
-            ``shard_of(key, shards)`` of the group it writes to. "" / 0 / 1 for a
+            ``shard_of(stored key, shards)`` of the group it writes to. "" / 0 / 1 for a
             whole node.
     """
 

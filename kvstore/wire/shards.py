@@ -8,9 +8,11 @@ serve requests side by side, as Redis scales by running one single-threaded shar
 core.
 
 The contract both ends share is :func:`shard_of`: a key belongs to shard
-``shard_of(key, count)`` on every client, in every process, on every machine (a jump
-consistent hash over the key's xxh3-64, never Python's ``hash()``), so a put and the
-later get of the same key meet on the same shard without asking anyone. Shard 0 answers
+``shard_of(stored key, count)`` on every client, in every process, on every machine (a
+jump consistent hash over the xxh3-64 of the key as nodes store it, scoped by its
+tenant: kvstore/tenants.py; never Python's ``hash()``), so a put and the later get of
+the same key meet on the same shard without asking anyone, and so does a block moved
+by its stored key alone (a drain), which cannot be traced back to the caller's key. Shard 0 answers
 at the address users dial and lists every shard in its Info reply (``ShardRole.peers``).
 """
 
@@ -42,8 +44,8 @@ _MASK = (1 << 64) - 1
 
 
 def shard_of(key: bytes, count: int) -> int:
-    """The shard in ``range(count)`` that holds ``key`` (jump consistent hash: growing
-    ``count`` by one moves only 1/count of the keys)."""
+    """The shard in ``range(count)`` that holds stored (tenant-scoped) ``key`` (jump
+    consistent hash: growing ``count`` by one moves only 1/count of the keys)."""
     if count <= 1:
         return 0
     h = xxhash.xxh3_64_intdigest(key)

@@ -2,7 +2,7 @@
 ``g``, served by shards ``g.s0`` and ``g.s1``) and an ordinary ``kvstore serve`` (``a``),
 used through ``StoreClient.from_etcd`` and the operator's commands.
 
-A cluster client writing to ``g`` puts each key on shard ``shard_of(key, 2)`` (the
+A cluster client writing to ``g`` puts each key on shard ``shard_of(stored key, 2)`` (the
 directory lists it there, the shard's own stats count it); other clients, in this
 process and in another, read every block back; ``kvstore nodes`` and ``kvstore stats``
 show ``g`` as one node with its shards; ``kvstore drain g`` marks every shard draining
@@ -33,7 +33,7 @@ from kvstore.errors import ConfigError
 from kvstore.tier_kinds import TierKind
 from kvstore.wire.shards import shard_of
 from tests.cluster.test_cluster import ROOT, TTL, Cluster, cli_json, replicas, start_node, value_for
-from tests.support.server_process import ADMIN, ALPHA, ServerProcess, base_flags
+from tests.support.server_process import ADMIN, ALPHA, ServerProcess, base_flags, principal_of
 from tests.support.waiting import wait_until
 
 pytest.importorskip("aetcd")
@@ -131,7 +131,8 @@ def test_puts_land_on_their_shard_and_every_client_reads_them(sharded: Cluster) 
         assert w.members.write_order()[0] == "g"
         assert w.batch_put(keys, [value_for(k) for k in keys]) == [True] * 40
         assert w.members.writer == "g"
-        want = {k: f"g.s{shard_of(k, 2)}" for k in keys}
+        scope = principal_of(ALPHA).scope  # placement is by the stored (scoped) key
+        want = {k: f"g.s{shard_of(scope(k), 2)}" for k in keys}
         assert set(want.values()) == set(SHARDS)  # 40 keys: both shards take some
         wait_until(
             lambda: all(replicas(w, k) == {want[k]: TierKind.DRAM} for k in keys),

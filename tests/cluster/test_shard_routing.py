@@ -3,7 +3,7 @@ NodeClients over the in-memory network (tests/support/memory_net.py), the embedd
 directory holding a node ``g`` served by two shards (``g.s0``, ``g.s1``, registered as
 ``kvstore serve --shards 2`` registers them) beside a whole node ``a``.
 
-A writer treats ``g`` as one node: each key goes to shard ``shard_of(key, 2)``, a down
+A writer treats ``g`` as one node: each key goes to shard ``shard_of(stored key, 2)``, a down
 shard's keys to the next node, a draining shard drains the group; readers find each
 block on its shard through the directory. The same with real processes and etcd:
 tests/cluster/test_cluster_shards.py.
@@ -48,6 +48,11 @@ def records() -> list[NodeInfo]:
             info = dataclasses.replace(info, group="g", shard=int(node_id[-1]), shards=2)
         out.append(info)
     return out
+
+
+def home(key: bytes) -> int:
+    """The shard of ``g`` that holds ``key``: placement is by the stored (scoped) key."""
+    return shard_of(SCOPE.scope(key), 2)
 
 
 def keys(n: int, seed: int = 0) -> list[bytes]:
@@ -130,7 +135,7 @@ def test_each_key_goes_to_the_shard_shard_of_names_and_reads_find_it(cluster: Cl
         assert w.batch_put(k, [block(i) for i in range(24)]) == [True] * 24
         assert w.members.writer == "g"
         assert w.exists(k) == [True] * 24  # its own puts, before the directory lists them
-    expected = [f"g.s{shard_of(key, 2)}" for key in k]
+    expected = [f"g.s{home(key)}" for key in k]
     assert {"g.s0", "g.s1"} <= set(expected)  # both shards took keys
     assert [cluster.holders(key) for key in k] == [{n} for n in expected]
     cluster.publish()
@@ -152,7 +157,7 @@ def test_a_shard_named_as_node_id_picks_its_group(cluster: Cluster) -> None:
     with cluster.client(node_id="g.s1").open() as w:
         assert w.members.write_order() == ["g", "a"]
         assert w.batch_put(k, [block(i) for i in range(8)]) == [True] * 8
-    assert [cluster.holders(key) for key in k] == [{f"g.s{shard_of(key, 2)}"} for key in k]
+    assert [cluster.holders(key) for key in k] == [{f"g.s{home(key)}"} for key in k]
 
 
 def test_a_down_shard_passes_its_keys_to_the_next_node(cluster: Cluster) -> None:
@@ -165,7 +170,7 @@ def test_a_down_shard_passes_its_keys_to_the_next_node(cluster: Cluster) -> None
         got = w.batch_get(k)  # read back through its own puts' memory
         assert all(torch.equal(g, block(i)) for i, g in enumerate(got))
     for key in k:
-        assert cluster.holders(key) == ({"g.s0"} if shard_of(key, 2) == 0 else {"a"})
+        assert cluster.holders(key) == ({"g.s0"} if home(key) == 0 else {"a"})
 
 
 def test_a_draining_shard_drains_its_group_for_writes(cluster: Cluster) -> None:
@@ -198,7 +203,7 @@ def test_a_layered_write_is_split_by_shard_and_commits_in_key_order(cluster: Clu
         assert got[3] is None
         assert all(torch.equal(got[i], blocks[i]) for i in range(10) if i != 3)
     for i, key in enumerate(k):
-        assert cluster.holders(key) == (set() if i == 3 else {f"g.s{shard_of(key, 2)}"})
+        assert cluster.holders(key) == (set() if i == 3 else {f"g.s{home(key)}"})
 
 
 def test_a_shard_failing_mid_write_aborts_every_part(cluster: Cluster) -> None:
@@ -248,7 +253,7 @@ def test_the_async_client_writes_layers_split_by_shard(cluster: Cluster) -> None
             await c.close()
 
     assert asyncio.run(asyncio.wait_for(body(), 30)) == [True] * 6
-    assert [cluster.holders(key) for key in k] == [{f"g.s{shard_of(key, 2)}"} for key in k]
+    assert [cluster.holders(key) for key in k] == [{f"g.s{home(key)}"} for key in k]
 
 
 def test_write_units_fold_shards_and_refuse_a_disputed_count() -> None:

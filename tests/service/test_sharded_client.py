@@ -1,5 +1,6 @@
 """A StoreClient against a sharded node (issue 32): ``StoreClient.connect`` on shard 0's
-address sees one node, and each key goes straight to shard ``shard_of(key, N)``.
+address sees one node, and each key goes straight to shard ``shard_of(stored key, N)``
+(the key scoped by the caller's tenant).
 
 The node is the shards ``kvstore serve --shards N`` runs, as StoreServer objects in this
 process (tests/support/sharded_node.py), so these run in the hermetic suite; the last
@@ -25,10 +26,22 @@ from kvstore.client.drain import drain_node
 from kvstore.client.sharded import ShardedClient
 from kvstore.errors import ClosedError, ConflictError, KVStoreError
 from kvstore.wire.shards import shard_of
-from tests.support.server_process import ADMIN, ALPHA, BRAVO, ServerProcess, base_flags
+from tests.support.server_process import (
+    ADMIN,
+    ALPHA,
+    BRAVO,
+    ServerProcess,
+    base_flags,
+    principal_of,
+)
 from tests.support.sharded_node import ShardedFactory, ShardedNode
 
 SHAPE = (4, 2, 2, 16, 8)  # layers, K/V, heads, tokens, head dim: 4 KiB of float16
+
+
+def home(key: bytes, count: int = 2) -> int:
+    """The shard ALPHA's ``key`` lives on: placement is by the stored (scoped) key."""
+    return shard_of(principal_of(ALPHA).scope(key), count)
 
 
 def fresh(n: int) -> list[bytes]:
@@ -41,7 +54,7 @@ def spread(n: int, count: int = 2) -> list[bytes]:
     keys: list[bytes] = []
     while len(keys) < n:
         key = os.urandom(16)
-        if shard_of(key, count) == len(keys) % count:
+        if home(key, count) == len(keys) % count:
             keys.append(key)
     return keys
 
@@ -54,7 +67,7 @@ def values(n: int, seed: int) -> list[np.ndarray]:
 
 def on_both(keys: list[bytes], count: int = 2) -> None:
     """The test's keys really span the shards (else it would prove nothing)."""
-    assert {shard_of(k, count) for k in keys} == set(range(count))
+    assert {home(k, count) for k in keys} == set(range(count))
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +98,7 @@ def test_each_key_lives_on_its_own_shard(
     assert client.batch_put(keys, vals) == [True] * len(keys)
     for i, c in enumerate(shard_clients):
         assert c.shards == 1
-        mine = [shard_of(k, 2) == i for k in keys]
+        mine = [home(k, 2) == i for k in keys]
         assert c.exists(keys) == mine  # there, and only there
         assert sharded_node.shard_blocks(i) - before[i] == sum(mine) > 0
     per_shard = client.stats()["shards"]
@@ -131,7 +144,7 @@ def test_match_prefix_exists_and_remove_span_the_shards(client: StoreClient) -> 
     assert client.batch_put(keys[:7], vals) == [True] * 7
     assert client.match_prefix(keys) == 7
     assert client.exists(keys) == [True] * 7 + [False] * 5
-    hole = next(i for i in range(1, 7) if shard_of(keys[i], 2) != shard_of(keys[0], 2))
+    hole = next(i for i in range(1, 7) if home(keys[i], 2) != home(keys[0], 2))
     assert client.remove([keys[hole], fresh(1)[0]]) == 1
     assert client.match_prefix(keys) == hole  # cut on the other shard
     assert client.remove(keys) == 6 and client.match_prefix(keys) == 0
@@ -259,8 +272,9 @@ def test_a_drain_moves_a_sharded_node_into_another(sharded_factory: ShardedFacto
     source, target = sharded_factory(group="source"), sharded_factory(group="target")
     keys = spread(20)
     on_both(keys)
+    vals = values(20, 12)
     with source.client(ALPHA) as c:
-        assert c.batch_put(keys, values(20, 12)) == [True] * 20
+        assert c.batch_put(keys, vals) == [True] * 20
     with source.client(ADMIN) as src, target.client(ADMIN) as dst:
         report = drain_node(src, [dst], page=7)
         assert (report.moved, report.dropped, report.remaining) == (20, 0, 0)
@@ -271,6 +285,15 @@ def test_a_drain_moves_a_sharded_node_into_another(sharded_factory: ShardedFacto
         ]
         assert dst.stats()["blocks"] == 20
         assert target.shard_blocks(0) > 0 and target.shard_blocks(1) > 0
+    # Each moved block sits where its owner's clients look: the owner finds every one
+    # through the target's address, and each shard holds exactly its own keys.
+    with target.client(ALPHA) as owner:
+        got = owner.batch_get(keys)
+        assert all(np.array_equal(g, v) for g, v in zip(got, vals, strict=True))
+    for i, (port, _) in enumerate(target.ports):
+        addr = f"127.0.0.1:{port}"
+        with StoreClient.connect(addr, token=ALPHA.token, whole_node=False) as lone:
+            assert lone.exists(keys) == [home(k) == i for k in keys]
 
 
 def _shard_health(node: ShardedNode) -> list[str]:
@@ -286,7 +309,7 @@ def test_a_stopped_shard_fails_only_its_own_keys(sharded_factory: ShardedFactory
     node = sharded_factory()
     keys, vals = spread(32), values(32, 6)
     on_both(keys)
-    down = [shard_of(k, 2) == 1 for k in keys]
+    down = [home(k, 2) == 1 for k in keys]
     # A down shard's calls wait out their deadline (as a down node's do): keep it short.
     with node.client(ALPHA, retries=0, timeout_s=2.0, connect_timeout_s=2.0) as c:
         assert c.batch_put(keys, vals) == [True] * 32
@@ -296,7 +319,7 @@ def test_a_stopped_shard_fails_only_its_own_keys(sharded_factory: ShardedFactory
             assert isinstance(g, KVStoreError) if lost else np.array_equal(g, v)
         more, more_vals = fresh(16), values(16, 7)
         put = c.batch_put(more, more_vals)
-        assert [isinstance(r, KVStoreError) for r in put] == [shard_of(k, 2) == 1 for k in more]
+        assert [isinstance(r, KVStoreError) for r in put] == [home(k, 2) == 1 for k in more]
         assert c.exists(keys) == [not lost for lost in down]  # unreachable: absent
         assert c.match_prefix(keys) == down.index(True)
         with pytest.raises(KVStoreError):
@@ -323,7 +346,7 @@ def test_a_layered_put_keeps_the_shards_that_live(
     node = sharded_factory()
     keys = spread(8)
     on_both(keys)
-    lost = [shard_of(k, 2) == 1 for k in keys]
+    lost = [home(k, 2) == 1 for k in keys]
     block = np.ones(SHAPE, np.float16)
     opts = {"retries": 0, "timeout_s": 2.0, "connect_timeout_s": 2.0, "transport": transport}
     with node.client(ALPHA, **opts) as c:
@@ -395,7 +418,7 @@ def test_a_stale_shard_map_never_reaches_another_node(sharded_factory: ShardedFa
 def test_whole_node_false_talks_to_the_dialled_shard_alone(
     sharded_node: ShardedNode, client: StoreClient
 ) -> None:
-    key = next(k for k in iter(lambda: fresh(1)[0], None) if shard_of(k, 2) == 1)
+    key = next(k for k in iter(lambda: fresh(1)[0], None) if home(k, 2) == 1)
     with sharded_node.client(ALPHA, whole_node=False) as lone:
         assert lone.shards == 1 and lone._sharded is None
         assert lone.put(key, b"on shard 0 alone")
@@ -439,4 +462,4 @@ def test_kvstore_serve_shards_is_one_node_to_a_client(
         per_shard = c.stats()["shards"]
     assert [s["node_id"] for s in per_shard] == [s["node_id"] for s in shards]
     for i, s in enumerate(per_shard):
-        assert s["blocks"] - before[i] == sum(shard_of(k, 2) == i for k in keys) > 0
+        assert s["blocks"] - before[i] == sum(home(k, 2) == i for k in keys) > 0

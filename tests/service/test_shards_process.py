@@ -21,7 +21,7 @@ import pytest
 from kvstore.client.store import NodeClient
 from kvstore.shm.index import index_name
 from kvstore.wire.shards import shard_of
-from tests.support.server_process import ALPHA, ServerProcess, base_flags
+from tests.support.server_process import ALPHA, ServerProcess, base_flags, principal_of
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.process
@@ -74,10 +74,12 @@ def _block(i: int) -> np.ndarray:
 
 
 def _keys_of(shard: int, n: int) -> list[bytes]:
+    """ALPHA's keys that live on ``shard`` (placement is by the stored, scoped key)."""
+    scope = principal_of(ALPHA).scope
     out, i = [], 0
     while len(out) < n:
         k = i.to_bytes(16, "little")
-        if shard_of(k, 2) == shard:
+        if shard_of(scope(k), 2) == shard:
             out.append(k)
         i += 1
     return out
