@@ -25,7 +25,8 @@ What goes where:
   0's, which lists the shards; control: kvstore/client/sharded_control.py.
 
 Failures: a batch call's keys on a shard whose sub-call failed (down, restarting) get
-that error as their result and the other shards' results stand; when every shard
+that error as their result and the other shards' results stand; a shard that failed so
+is skipped for a while, its keys failing at once (kvstore/client/shard_health.py); when every shard
 involved failed, the call raises, as a whole node's would. exists and match_prefix
 count a failed shard's keys as absent (nothing can read them now) and raise only when
 every shard involved failed. Single-key calls raise as on a whole node; remove, stats,
@@ -47,6 +48,7 @@ from kvstore._proto import store_pb2 as pb
 from kvstore.client.base import one
 from kvstore.client.fanout import FanOut, Groups, leading_run, pick, raise_any, scatter
 from kvstore.client.layered import LayeredPut, block_info
+from kvstore.client.shard_health import ShardSuspects
 from kvstore.client.sharded_control import merge_stats, shard_control
 from kvstore.client.sharded_layers import ShardedLayeredPut
 from kvstore.client.store import NodeClient
@@ -94,6 +96,9 @@ class ShardedClient:
         for c in self.nodes[1:]:  # one client: one set of counters (retries, ...)
             c.counters = first.counters
         self._ready = [True] + [False] * (self.count - 1)
+        self.suspects = ShardSuspects(
+            self.group, [c.address for c in self.nodes], first.connector.reachable, first.counters
+        )
         # Each of the caller's threads (the async client has pool_size) may fan out.
         self.fan = FanOut(min(64, (self.count - 1) * first.config.pool_size))
 
@@ -142,22 +147,32 @@ class ShardedClient:
         return self.each_group([(s, []) for s in range(self.count)], lambda c, _: call(c))
 
     def _on(self, shard: int, idx: list[int], call: ShardCall[T]) -> T:
-        return call(self.node(shard), idx)
+        """``call`` on one shard, unless it is suspect; a node failure makes it so."""
+        self.suspects.check(shard)
+        try:
+            out = call(self.node(shard), idx)
+        except KVStoreError as exc:
+            self.suspects.failed(shard, exc)
+            raise
+        self.suspects.succeeded(shard)
+        return out
 
     def per_key(self, keys: Sequence[bytes], call: ShardCall[list[Any]]) -> list[Any]:
         """A batch call split by shard, its per-key results in the caller's order."""
         groups = self.split(keys)
         if len(groups) == 1:  # every key on one shard: no thread, no reordering
             s, idx = groups[0]
-            return call(self.node(s), idx)
+            return self._on(s, idx, call)
         return scatter(len(keys), groups, self.each_group(groups, call))
 
     def _keys(self, keys: Sequence[bytes]) -> list[bytes]:
         return self.first._keys(keys)
 
-    def _key(self, key: bytes) -> tuple[NodeClient, bytes]:
+    def _one(self, key: bytes, call: Callable[[NodeClient, bytes], T]) -> T:
+        """``call(shard's client, key)`` on the shard of a single key."""
         k = self.first._as_keys([key])[0]
-        return self.node(shard_of(self._scope((k,))[0], self.count)), k
+        shard = shard_of(self._scope((k,))[0], self.count)
+        return self._on(shard, [], lambda c, _: call(c, k))
 
     # -- data ------------------------------------------------------------------------------
 
@@ -169,15 +184,18 @@ class ShardedClient:
         namespace: Namespace | None = None,
         timeout: float | None = None,
     ) -> bool:
-        c, k = self._key(key)
-        res = NodeClient.batch_put(c, [k], [value], namespace=namespace, timeout=timeout)
-        return bool(one(res))
+        def call(c: NodeClient, k: bytes) -> list[bool | KVStoreError]:
+            return NodeClient.batch_put(c, [k], [value], namespace=namespace, timeout=timeout)
+
+        return bool(one(self._one(key, call)))
 
     def get(
         self, key: bytes, *, namespace: Namespace | None = None, timeout: float | None = None
     ) -> Any:
-        c, k = self._key(key)
-        return one(NodeClient.batch_get(c, [k], namespace=namespace, timeout=timeout))
+        def call(c: NodeClient, k: bytes) -> list[Any]:
+            return NodeClient.batch_get(c, [k], namespace=namespace, timeout=timeout)
+
+        return one(self._one(key, call))
 
     def get_into(
         self,
@@ -188,11 +206,12 @@ class ShardedClient:
         timeout: float | None = None,
         layers: tuple[int, int] | None = None,
     ) -> bool:
-        c, k = self._key(key)
-        res = NodeClient.batch_get_into(
-            c, [k], [out], namespace=namespace, timeout=timeout, layers=layers
-        )
-        return bool(one(res))
+        def call(c: NodeClient, k: bytes) -> list[bool | KVStoreError]:
+            return NodeClient.batch_get_into(
+                c, [k], [out], namespace=namespace, timeout=timeout, layers=layers
+            )
+
+        return bool(one(self._one(key, call)))
 
     def batch_put(
         self,
@@ -268,7 +287,7 @@ class ShardedClient:
 
         groups = self.split(ks)
         if len(groups) == 1:
-            return start(self.node(groups[0][0]), groups[0][1])
+            return self._on(groups[0][0], groups[0][1], start)
         t = self.first.config.timeout_s if timeout is None else timeout
         outcomes = self.each_group(groups, start)
         return ShardedLayeredPut.start(ks, info, t, [idx for _, idx in groups], outcomes, self.fan)
@@ -286,11 +305,12 @@ class ShardedClient:
     def match_prefix(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
         ks = self._keys(keys)
         groups = self.split(ks)
-        if len(groups) == 1:
-            return NodeClient.match_prefix(self.node(groups[0][0]), ks, timeout=timeout)
 
         def call(c: NodeClient, idx: list[int]) -> int:
             return NodeClient.match_prefix(c, pick(ks, idx), timeout=timeout)
+
+        if len(groups) == 1:
+            return self._on(groups[0][0], groups[0][1], call)
 
         outcomes = self.each_group(groups, call)
         errors = [o for o in outcomes if isinstance(o, KVStoreError)]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -24,7 +25,7 @@ from kvstore._proto import store_pb2 as pb
 from kvstore.client.admin import AdminClient
 from kvstore.client.drain import drain_node
 from kvstore.client.sharded import ShardedClient
-from kvstore.errors import ClosedError, ConflictError, KVStoreError
+from kvstore.errors import ClosedError, ConflictError, KVStoreError, Unavailable
 from kvstore.wire.shards import shard_of
 from tests.support.server_process import (
     ADMIN,
@@ -35,6 +36,7 @@ from tests.support.server_process import (
     principal_of,
 )
 from tests.support.sharded_node import ShardedFactory, ShardedNode
+from tests.support.waiting import wait_until
 
 SHAPE = (4, 2, 2, 16, 8)  # layers, K/V, heads, tokens, head dim: 4 KiB of float16
 
@@ -310,13 +312,22 @@ def test_a_stopped_shard_fails_only_its_own_keys(sharded_factory: ShardedFactory
     keys, vals = spread(32), values(32, 6)
     on_both(keys)
     down = [home(k, 2) == 1 for k in keys]
-    # A down shard's calls wait out their deadline (as a down node's do): keep it short.
-    with node.client(ALPHA, retries=0, timeout_s=2.0, connect_timeout_s=2.0) as c:
+    deadline = 8.0
+    with node.client(ALPHA, retries=0, timeout_s=deadline, connect_timeout_s=deadline) as c:
         assert c.batch_put(keys, vals) == [True] * 32
         node.stop_shard(1)
         got = c.batch_get(keys)
         for g, v, lost in zip(got, vals, down, strict=True):
             assert isinstance(g, KVStoreError) if lost else np.array_equal(g, v)
+        # Once it failed, the down shard is skipped: its keys fail without waiting out
+        # the deadline (while it is suspect, and after, when the probe finds it closed).
+        for _ in range(4):
+            t0 = time.monotonic()
+            got = c.batch_get(keys)
+            assert time.monotonic() - t0 < deadline / 2
+            assert [isinstance(g, Unavailable) for g in got] == down
+            time.sleep(0.4)
+        assert c.counters.get("shard_failures") >= 1 and c.counters.get("shard_skipped") >= 4
         more, more_vals = fresh(16), values(16, 7)
         put = c.batch_put(more, more_vals)
         assert [isinstance(r, KVStoreError) for r in put] == [home(k, 2) == 1 for k in more]
@@ -331,11 +342,18 @@ def test_a_stopped_shard_fails_only_its_own_keys(sharded_factory: ShardedFactory
         node.start_shard(1)  # back on its ports, empty (its DRAM died with it)
         again = [k for k, lost in zip(keys, down, strict=True) if lost]
         pending = again
-        for _ in range(3):  # a call may first meet the dead connections and drop them
-            res = c.batch_put(pending, [b"back"] * len(pending))
+
+        def put_back() -> bool:  # skipped until the probe finds it; dead sockets drop
+            nonlocal pending
+            try:
+                res = c.batch_put(pending, [b"back"] * len(pending))
+            except Unavailable:  # its keys alone, every one skipped: the call raises
+                return False
             assert not [r for r in res if r is False]
             pending = [k for k, r in zip(pending, res, strict=True) if r is not True]
-        assert pending == []
+            return not pending
+
+        wait_until(put_back, "the restarted shard takes puts again", within=deadline)
         assert c.batch_get(again) == [b"back"] * len(again)
 
 

@@ -1,0 +1,113 @@
+"""Which shards of a sharded node a client skips for now, so a down shard fails fast.
+
+Why: a NodeClient that loses its server waits for it to come back until the call's
+deadline (a restarting server is usually back within it). On a sharded node
+(kvstore/client/sharded.py) that made every call touching a down shard cost its whole
+timeout, while the node's other shards answer in microseconds, and a batch waits for
+its slowest shard. For a cache a fast miss beats a slow one.
+
+So a shard that fails a call with a node failure (unreachable, its transport broken,
+timed out) is *suspect* for :data:`SUSPECT_S`, as a cluster client's failed node is
+(kvstore/client/members.py): calls fail its keys at once with Unavailable, the other
+shards' keys stand. After that a TCP connect probes it; a shard that refuses stays
+suspect, one that accepts is tried again. A crashed shard therefore costs one failed
+call, a restarting one is used again within a probe of its return, and a hung one
+(whose port still accepts) costs one timeout per :data:`SUSPECT_S` rather than one
+per call. A success clears the shard at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from kvstore.errors import KVStoreError, TimeoutError_, TransportError, Unavailable
+from kvstore.observe.counters import NodeCounters
+
+__all__ = ["SHARD_FAILURES", "SUSPECT_S", "ShardSuspects"]
+
+log = logging.getLogger(__name__)
+
+SUSPECT_S = 1.0
+"""How long a failed shard is skipped before it is probed again."""
+
+SHARD_FAILURES = (Unavailable, TransportError, TimeoutError_)
+"""Errors that say "this shard, now" rather than "this request"."""
+
+
+class ShardSuspects:
+    """The suspect shards of one node, for one client. Thread-safe.
+
+    ``addresses[i]``: shard ``i``'s control address, which ``reachable`` probes."""
+
+    def __init__(
+        self,
+        group: str,
+        addresses: Sequence[str],
+        reachable: Callable[[str], bool],
+        counters: NodeCounters,
+        hold_s: float = SUSPECT_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.group = group
+        self.addresses = list(addresses)
+        self.reachable = reachable
+        self.counters = counters
+        self.hold_s = hold_s
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._until: dict[int, tuple[float, str]] = {}  # shard -> (skip until, why)
+
+    def check(self, shard: int) -> None:
+        """Raise Unavailable while ``shard`` is suspect (see the module docstring)."""
+        if shard not in self._until:  # the common case: no lock, no clock
+            return
+        with self._lock:
+            entry = self._until.get(shard)
+        if entry is None:
+            return
+        until, why = entry
+        now = self.clock()
+        if now >= until:
+            if self.reachable(self.addresses[shard]):
+                return  # back (or hung: the call will tell)
+            with self._lock:
+                until = self.clock() + self.hold_s
+                self._until[shard] = (until, why)
+        self.counters.inc("shard_skipped")
+        raise Unavailable(
+            f"shard {shard} of node {self.group!r} ({self.addresses[shard]}) is down "
+            f"({why}); skipped for {max(until - now, 0.0):.1f} s more"
+        )
+
+    def failed(self, shard: int, exc: KVStoreError) -> None:
+        """Record that ``shard`` failed a call with ``exc``; only node failures count."""
+        if not isinstance(exc, SHARD_FAILURES):
+            return
+        with self._lock:
+            fresh = shard not in self._until
+            self._until[shard] = (self.clock() + self.hold_s, str(exc) or type(exc).__name__)
+        if fresh:
+            self.counters.inc("shard_failures")
+            log.warning(
+                "shard %d of node %r failed (%s): its keys fail at once for now",
+                shard,
+                self.group,
+                exc,
+            )
+
+    def succeeded(self, shard: int) -> None:
+        """``shard`` answered: no longer suspect."""
+        if shard in self._until:
+            with self._lock:
+                gone = self._until.pop(shard, None)
+            if gone is not None:
+                log.info("shard %d of node %r answers again", shard, self.group)
+
+    def suspects(self) -> set[int]:
+        """The shards skipped right now (no probing)."""
+        now = self.clock()
+        with self._lock:
+            return {s for s, (until, _) in self._until.items() if until > now}

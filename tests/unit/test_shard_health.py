@@ -1,0 +1,93 @@
+"""ShardSuspects (kvstore/client/shard_health.py): which shards a client skips for now.
+
+A node failure makes a shard suspect; while suspect its calls fail at once; after the
+hold a TCP probe decides (closed: skipped again, open: tried); a success clears it;
+a request's own error (a bad key, a full tier) never makes a shard suspect.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.client.shard_health import ShardSuspects
+from kvstore.errors import (
+    CapacityError,
+    InvalidKey,
+    TimeoutError_,
+    TransportError,
+    Unavailable,
+)
+from kvstore.observe.counters import NodeCounters
+
+
+class Probe:
+    """A stand-in for the TCP probe: answers what the test says, counts the calls."""
+
+    def __init__(self) -> None:
+        self.open = False
+        self.calls: list[str] = []
+
+    def __call__(self, address: str) -> bool:
+        self.calls.append(address)
+        return self.open
+
+
+class Clock:
+    now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+CLOCK = Clock()
+
+
+def suspects(hold_s: float = 1.0) -> tuple[ShardSuspects, Probe, NodeCounters]:
+    probe, counters = Probe(), NodeCounters()
+    s = ShardSuspects("g", ["h:1", "h:2"], probe, counters, hold_s, clock=CLOCK)
+    return s, probe, counters
+
+
+NODE_FAILURES = [Unavailable("gone"), TransportError("reset"), TimeoutError_("slow")]
+
+
+@pytest.mark.parametrize(
+    "exc", [Unavailable("gone"), TransportError("reset"), TimeoutError_("slow")]
+)
+def test_a_node_failure_skips_the_shard_until_a_probe_finds_it(exc: Exception) -> None:
+    s, probe, counters = suspects()
+    s.check(1)  # nothing known: tried
+    s.failed(1, exc)  # type: ignore[arg-type]
+    with pytest.raises(Unavailable, match=r"shard 1 of node 'g' \(h:2\) is down"):
+        s.check(1)
+    s.check(0)  # the other shard is untouched
+    assert probe.calls == [] and s.suspects() == {1}
+    CLOCK.now += 1.5
+    with pytest.raises(Unavailable):  # the hold is over, but the port is still closed
+        s.check(1)
+    assert probe.calls == ["h:2"] and s.suspects() == {1}
+    CLOCK.now += 1.5
+    probe.open = True
+    s.check(1)  # open again: tried
+    s.succeeded(1)
+    assert s.suspects() == set()
+    s.check(1)
+    assert probe.calls == ["h:2", "h:2"]  # no probe once it answered
+    assert counters.get("shard_failures") == 1 and counters.get("shard_skipped") == 2
+
+
+def test_a_requests_own_error_never_makes_a_shard_suspect() -> None:
+    s, _, counters = suspects()
+    s.failed(0, InvalidKey("bad key"))
+    s.failed(0, CapacityError("full"))
+    s.check(0)
+    assert s.suspects() == set() and counters.snapshot() == {}
+
+
+def test_a_failure_while_suspect_counts_once_and_extends_the_hold() -> None:
+    s, _, counters = suspects(hold_s=10.0)
+    s.failed(0, Unavailable("a"))
+    s.failed(0, Unavailable("b"))
+    with pytest.raises(Unavailable, match=r"\(b\)"):
+        s.check(0)
+    assert counters.get("shard_failures") == 1
