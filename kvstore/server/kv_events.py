@@ -29,6 +29,12 @@ empty and ``parent_block_hash`` is None (keys already chain their prefix), and
 block hashes follows the pool; one that recomputes hashes from token ids needs the
 engine's own events.
 
+A node sharded across processes (``kvstore serve --shards N``) publishes one stream per
+shard, as vLLM's data-parallel ranks do: shard ``i`` binds :func:`shard_endpoint` (a
+TCP port plus ``i``, an ``ipc``/``inproc`` name with ``_dp<i>`` appended, vLLM's own
+rule for its ranks) and puts ``i`` in each batch's ``data_parallel_rank``. Each stream
+lists the blocks of its shard; a router that follows vLLM's DP ranks follows the node.
+
 Delivery is vLLM's: at least once per subscriber that keeps up, in order, with replay
 of the last ``buffer_batches`` batches. If the node's event tap overflows (the
 publisher fell behind), the next batch starts with ``AllBlocksCleared`` followed by
@@ -48,7 +54,7 @@ from kvstore.errors import ConfigError
 from kvstore.events import BlockEvent, BlockMoved, BlockRemoved, BlockStored, EventQueue
 from kvstore.tier_kinds import TierKind
 
-__all__ = ["MEDIUM", "KVEventsPublisher", "encode_batch"]
+__all__ = ["MEDIUM", "KVEventsPublisher", "encode_batch", "shard_endpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -100,11 +106,30 @@ def to_vllm_events(events: Iterable[BlockEvent], block_size: int) -> list[dict[s
     return out
 
 
-def encode_batch(ts: float, events: list[dict[str, Any]]) -> bytes:
-    """A KVEventBatch payload: msgpack ``[ts, events]``."""
+def encode_batch(ts: float, events: list[dict[str, Any]], rank: int | None = None) -> bytes:
+    """A KVEventBatch payload: msgpack ``[ts, events]``, or ``[ts, events, rank]`` from
+    shard ``rank`` of a sharded node (vLLM's ``data_parallel_rank``)."""
     import msgpack
 
-    return bytes(msgpack.packb([ts, events], use_bin_type=True))
+    body: list[Any] = [ts, events] if rank is None else [ts, events, rank]
+    return bytes(msgpack.packb(body, use_bin_type=True))
+
+
+def shard_endpoint(endpoint: str, index: int) -> str:
+    """Where shard ``index`` of a sharded node publishes, given the node's ``endpoint``:
+    vLLM's rule for its data-parallel ranks. ``tcp://h:5557`` -> ``tcp://h:<5557 +
+    index>`` (a port of ``*`` or 0 is left for the system to pick); any other transport
+    gets ``_dp<index>`` appended. Shard 0 keeps the endpoint as given."""
+    if not endpoint or index == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        base, _, port = endpoint.rpartition(":")
+        if port in ("*", "0"):
+            return endpoint
+        if not port.isdigit() or int(port) + index > 65535:
+            raise ConfigError(f"kv events endpoint {endpoint!r}: no port for shard {index}")
+        return f"{base}:{int(port) + index}"
+    return f"{endpoint}_dp{index}"
 
 
 class KVEventsPublisher:
@@ -128,6 +153,7 @@ class KVEventsPublisher:
         interval_s: float = 0.01,
         buffer_batches: int = 10_000,
         max_events: int = 4096,
+        rank: int | None = None,
     ) -> None:
         try:
             import msgpack  # noqa: F401
@@ -142,6 +168,7 @@ class KVEventsPublisher:
         self.block_size = block_size
         self.interval_s = interval_s
         self.max_events = max_events
+        self.rank = rank  # the shard's index on a sharded node, else None
         self.seq = 0
         self.published = 0  # events sent
         self._seen_dropped = tap.dropped
@@ -207,7 +234,7 @@ class KVEventsPublisher:
                 return taken
 
     def _send(self, events: list[dict[str, Any]]) -> None:
-        payload = encode_batch(time.time(), events)
+        payload = encode_batch(time.time(), events, self.rank)
         seq = self.seq
         self.seq += 1
         self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))

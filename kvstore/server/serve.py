@@ -150,6 +150,7 @@ class StoreServer:
             replay_endpoint=c.kv_events_replay_endpoint,
             topic=c.kv_events_topic,
             block_size=c.kv_events_block_size,
+            rank=self.shard.index if self.shard is not None and self.shard.count > 1 else None,
         )
 
     def _start_metrics(self, gw: Gateway) -> None:

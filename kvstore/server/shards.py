@@ -14,7 +14,9 @@ interpreter serves one request at a time; N shard processes serve N. The supervi
   (its DRAM is lost as in any crash; its SSD is reopened and re-announced); a shard
   that keeps dying stops the node, as a crashing single server would;
 - serves ``/metrics`` for all shards on the user's metrics port, each series labelled
-  with its ``shard`` (kvstore/observe/federate.py);
+  with its ``shard`` (kvstore/observe/federate.py); with ``kv_events_endpoint`` each
+  shard publishes its own KV-event stream, as vLLM's data-parallel ranks do
+  (kvstore/server/kv_events.py);
 - prints one ready line for the node, listing the shards, and on SIGTERM or SIGINT
   stops them all (each ends its leases and closes its SSD as a single server does).
 """
@@ -35,6 +37,7 @@ from typing import Any
 from kvstore.config import NodeConfig, ServerConfig
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.procs.children import Child, serve_argv, spawn, stop_group, wait_ready
+from kvstore.server.kv_events import shard_endpoint
 from kvstore.server.membership import advertised_host, join_address
 from kvstore.wire.shards import ShardPeer, ShardRole, auto_shards, shard_name
 
@@ -47,6 +50,7 @@ STOP_GRACE_S = 10.0
 RESTARTS = 5  # a shard dying this often ...
 RESTART_WINDOW_S = 60.0  # ... within this long stops the node
 _SPLIT = ("dram_bytes", "hbm_bytes", "ssd_bytes")
+_SHARD_FACTS = ("node_id", "port", "data_port", "shm_name", "pid", "kv_events", "kv_events_replay")
 
 
 def shard_count(node: NodeConfig, config: ServerConfig) -> int:
@@ -70,10 +74,8 @@ class ShardPlan:
 
     def __post_init__(self) -> None:
         c = self.config
-        if c.kv_events_endpoint or c.kv_events_replay_endpoint:
-            raise ConfigError(
-                "kv_events_endpoint: one publisher per node; serve it with --shards 1"
-            )
+        for ep in (c.kv_events_endpoint, c.kv_events_replay_endpoint):
+            shard_endpoint(ep, self.count - 1)  # a port for every shard, or a clear error
         if len(shard_name(self.node.node_id, self.count - 1)) > 64:
             raise ConfigError(f"node_id {self.node.node_id!r}: too long to name its shards")
         if (
@@ -97,6 +99,9 @@ class ShardPlan:
         if node.shm_name:
             out["shm_name"] = f"{node.shm_name}.s{index}"
         role = ShardRole(node.node_id, index, n, peers if index == 0 else ())
+        for key in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            if getattr(c, key):  # one stream per shard, as vLLM's DP ranks
+                out[key] = shard_endpoint(getattr(c, key), index)
         out.update(
             node_id=role.node_id,
             port=ports[0],
@@ -182,7 +187,7 @@ class ShardSupervisor:
         shards = [
             {
                 "index": i,
-                **{k: ch.facts.get(k) for k in ("node_id", "port", "data_port", "shm_name", "pid")},
+                **{k: ch.facts.get(k) for k in _SHARD_FACTS},
             }
             for i, ch in enumerate(self._live())
         ]

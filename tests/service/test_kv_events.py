@@ -1,5 +1,6 @@
 """A node publishes its block events in vLLM's KV-events format (issue 20): ZMQ PUB
-frames (topic, 8-byte sequence, msgpack ``[ts, events]``), BlockStored on a write,
+frames (topic, 8-byte sequence, msgpack ``[ts, events]``; ``[ts, events, shard]``
+from each shard of a sharded node, as vLLM's data-parallel ranks), BlockStored on a write,
 BlockRemoved on a remove, BlockRemoved + BlockStored when a block changes tier, a
 replay endpoint that resends what a subscriber missed, and a full re-list after the
 publisher fell behind. The same stream decoded with vLLM's own classes:
@@ -9,6 +10,7 @@ in-memory network too (tests/support/memory_fixtures.py), in the hermetic run.""
 from __future__ import annotations
 
 import base64
+import os
 from typing import Any
 
 import msgpack
@@ -19,12 +21,19 @@ from kvstore.events import BlockMoved, BlockRemoved, BlockStored, EventQueue
 from kvstore.server.kv_events import KVEventsPublisher
 from kvstore.tenants import Principal
 from kvstore.tier_kinds import TierKind
+from kvstore.wire.shards import shard_of
 from tests.support.kv_events import Subscriber, replay
 from tests.support.memory_fixtures import MemoryFactory, Served
 from tests.support.server_fixtures import ServerFactory
-from tests.support.server_process import ALPHA
+from tests.support.server_process import ALPHA, principal_of
+from tests.support.sharded_node import ShardedFactory
 
 KIB = 1 << 10
+
+
+def home(key: bytes, count: int = 2) -> int:
+    """The shard of a 2-shard node that holds ALPHA's ``key`` (by its stored key)."""
+    return shard_of(principal_of(ALPHA).scope(key), count)
 
 
 def _decode(payload: bytes) -> Any:
@@ -159,3 +168,31 @@ def test_tier_moves_and_an_overflow_are_said_in_vllm_terms() -> None:
         sub.close()
         pub.close()
         node_events.untap(tap)
+
+
+def test_each_shard_of_a_sharded_node_publishes_its_own_blocks(
+    sharded_factory: ShardedFactory,
+) -> None:
+    """``--shards 2`` with KV events: one stream per shard, as vLLM's data-parallel
+    ranks publish (the rank in every batch); each lists exactly its own shard's blocks,
+    and together they list every block the node stored."""
+    node = sharded_factory(**KV_EVENT_FLAGS)
+    pubs = [node.server(i).kv_events for i in range(node.count)]
+    assert all(p is not None for p in pubs)
+    subs = [Subscriber(p.endpoint) for p in pubs if p is not None]
+    scope = principal_of(ALPHA).scope
+    try:
+        with node.client(ALPHA) as c:
+            for i, sub in enumerate(subs):  # a probe key of each shard, until it arrives
+                probe = next(k for k in iter(lambda: os.urandom(16), None) if home(k) == i)
+                sub.join(lambda p=probe: c.put(p, np.zeros(KIB, np.uint8)))
+            keys = [os.urandom(16) for _ in range(24)]
+            assert c.batch_put(keys, [np.full(KIB, 7, np.uint8)] * 24) == [True] * 24
+        for i, sub in enumerate(subs):
+            mine = {scope(k) for k in keys if home(k) == i}
+            batches = sub.until(_decode, lambda b, m=mine: _hashes(b, "BlockStored") >= m, 10)
+            assert {b[2] for b in batches} == {i}  # data_parallel_rank: the shard
+            assert _hashes(batches, "BlockStored") & {scope(k) for k in keys} == mine
+    finally:
+        for sub in subs:
+            sub.close()

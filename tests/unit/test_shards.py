@@ -15,6 +15,7 @@ import pytest
 from kvstore.config import NodeConfig, ServerConfig
 from kvstore.directory.records import NodeInfo
 from kvstore.errors import ConfigError, DirectoryError
+from kvstore.server.kv_events import shard_endpoint
 from kvstore.server.quotas import Quotas, TenantQuota
 from kvstore.server.shards import ShardPlan, shard_count
 from kvstore.tier_kinds import TierKind
@@ -114,8 +115,8 @@ def test_plan_refuses_what_shards_cannot_serve() -> None:
     with pytest.raises(ConfigError, match="max_value_bytes"):
         ShardPlan(small, _server(), 8)
     big = NodeConfig(dram_bytes=8 * 1024**3)
-    with pytest.raises(ConfigError, match="kv_events"):
-        ShardPlan(big, _server(kv_events_endpoint="tcp://127.0.0.1:5557"), 2)
+    with pytest.raises(ConfigError, match="no port for shard 2"):
+        ShardPlan(big, _server(kv_events_endpoint="tcp://127.0.0.1:65534"), 3)
     with pytest.raises(ConfigError, match="too long"):
         ShardPlan(NodeConfig(node_id="n" * 62, dram_bytes=8 * 1024**3), _server(), 12)
 
@@ -148,3 +149,25 @@ def test_node_record_carries_its_shard() -> None:
     bad = info.to_json().replace(b'"shard":1', b'"shard":2')
     with pytest.raises(DirectoryError):
         NodeInfo.from_json(bad)
+
+
+def test_each_shard_publishes_kv_events_where_vllm_puts_a_dp_rank() -> None:
+    big = NodeConfig(dram_bytes=8 * 1024**3)
+    server = _server(
+        kv_events_endpoint="tcp://127.0.0.1:5557", kv_events_replay_endpoint="ipc:///tmp/r"
+    )
+    plan = ShardPlan(big, server, 3)
+    flags = [plan.flags(i, (0, 0), ()) for i in range(3)]
+    assert [f["kv_events_endpoint"] for f in flags] == [
+        "tcp://127.0.0.1:5557",
+        "tcp://127.0.0.1:5558",
+        "tcp://127.0.0.1:5559",
+    ]
+    assert [f["kv_events_replay_endpoint"] for f in flags] == [
+        "ipc:///tmp/r",
+        "ipc:///tmp/r_dp1",
+        "ipc:///tmp/r_dp2",
+    ]
+    assert shard_endpoint("tcp://127.0.0.1:*", 5) == "tcp://127.0.0.1:*"  # the system picks
+    assert shard_endpoint("tcp://[::1]:0", 1) == "tcp://[::1]:0"
+    assert shard_endpoint("inproc://events", 2) == "inproc://events_dp2"
