@@ -52,17 +52,8 @@ def test_vllm_decodes_the_node_stream(server: ServerProcess) -> None:
             scope = base64.b64decode(info.get("scope_key", ""))
             keys = set(Principal(info["tenant"], scope_key=scope).scope_all(raw))
 
-            def stored(batches: list[Any]) -> set[bytes]:
-                return {
-                    h
-                    for b in batches
-                    for e in b.events
-                    if isinstance(e, kv_events.BlockStored)
-                    for h in e.block_hashes
-                }
-
-            batches = sub.until(decoder.decode, lambda b: stored(b) >= keys, 10)
-            assert stored(batches) >= keys
+            batches = sub.until(decoder.decode, lambda b: _stored(b) >= keys, 10)
+            assert _stored(batches) >= keys
             events = [e for b in batches for e in b.events]
             assert all(isinstance(b, kv_events.KVEventBatch) for b in batches)
             assert all(e.medium == kv_events.MEDIUM_CPU and e.block_size == 16 for e in events)
@@ -81,7 +72,7 @@ def test_vllm_decodes_the_node_stream(server: ServerProcess) -> None:
             }
             assert removed == set(Principal(info["tenant"], scope_key=scope).scope_all(raw[:2]))
         again = [decoder.decode(p) for _, p in replay(server.facts["kv_events_replay"], 0)]
-        assert stored(again) >= keys  # a late subscriber catches up through replay
+        assert _stored(again) >= keys  # a late subscriber catches up through replay
     finally:
         sub.close()
 
