@@ -187,7 +187,7 @@ def test_a_fill_lease_past_its_deadline_is_cut_by_the_reaper() -> None:
         t0 = time.monotonic()
         lease = table.grant(LeaseKind.FILL, cut.set, "alpha", owner=7, ttl_s=0.1)
         assert cut.wait(2.0), "the stalled fill was never cut"
-        assert 0.1 <= time.monotonic() - t0 < 0.5
+        assert 0.1 <= time.monotonic() - t0 < 1.5  # cut near its 0.1 s, not at the 30 s TTL
         assert table.take(lease.id, "alpha", LeaseKind.FILL) is None  # the reaper took it
         assert [x.kind for x in ended] == [LeaseKind.FILL] and table.expired == 1
     finally:
