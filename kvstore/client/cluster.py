@@ -229,7 +229,7 @@ class ClusterClient(ClientBase):
     ) -> LayerWrite:
         """A layer-by-layer write (kvstore/client/layered.py) on the write node, or the
         next live one if it cannot start there (on a sharded node, one write per shard
-        holding keys, used as one: kvstore/client/split_layers.py): once bytes have
+        holding keys, used as one: kvstore/client/parted_layers.py): once bytes have
         left, a failure is the write's, not retried elsewhere. Stored keys count as
         present for this client's reads at once, as after ``batch_put``."""
         ks, scoped = self._keys(keys)

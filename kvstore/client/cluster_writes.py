@@ -10,13 +10,14 @@ error move on to the next unit, within their share of the deadline.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvstore.client.fanout import FanOut, Item, share
-from kvstore.client.layered import LayeredPut, LayerWrite
+from kvstore.client.layered import LayeredPut, LayerWrite, block_info
 from kvstore.client.members import NODE_FAILURES, Members
-from kvstore.client.split_layers import SplitLayeredPut
+from kvstore.client.parted_layers import PartedLayeredPut
 from kvstore.errors import KVStoreError, Unavailable
 
 __all__ = ["ClusterWrites"]
@@ -84,8 +85,9 @@ class ClusterWrites:
         deadline: float,
     ) -> LayerWrite:
         """A layered write of every key: one node's LayeredPut when one node took them
-        all, else a SplitLayeredPut over the nodes that did. A node that cannot start
+        all, else a PartedLayeredPut over the nodes that did. A node that cannot start
         passes its keys on; an error of the call itself aborts whatever started."""
+        info = block_info(shape, dtype)  # bad input: one clear error, before any node
         members = self.members
         plan = members.write_plan()
         parts: list[tuple[list[int], LayeredPut]] = []
@@ -120,7 +122,8 @@ class ClusterWrites:
             raise
         if len(parts) == 1:
             return parts[0][1]  # one node took every key, in order
-        return SplitLayeredPut(len(ks), parts, self.fan.pool)
+        left = max(deadline - time.monotonic(), 0.0)
+        return PartedLayeredPut(ks, info, left, parts, self.fan)
 
     def _stored_by(self, node_id: str, scoped: list[bytes]) -> Callable[[Sequence[Any]], None]:
         """A layered write's commit hook: its stored keys are on ``node_id`` now."""

@@ -71,7 +71,7 @@ def block_info(shape: Sequence[int], dtype: Any) -> ValueInfo:
 
 class LayerWrite(Protocol):
     """What a layer-by-layer write offers: :class:`LayeredPut` on one node, or a cluster
-    client's write split over several (kvstore/client/split_layers.py)."""
+    client's write split over several (kvstore/client/parted_layers.py)."""
 
     keys: list[bytes]
     on_commit: Callable[[Sequence[Any]], None] | None
@@ -100,7 +100,7 @@ class LayeredPut(ABC):
     ``begin_layers`` returns. This base holds what every such write checks (layers in
     order, values of the block's dtype and shape, every layer before the commit); a
     subclass moves the bytes: :class:`LinkLayeredPut` over one link of one node,
-    kvstore/client/sharded_layers.py over one per shard of a sharded node. Not
+    kvstore/client/parted_layers.py over one per part (shard or node) of a split write. Not
     thread-safe: one writer thread at a time.
     """
 

@@ -14,7 +14,7 @@ otherwise: a stale map never sends a write to a stranger).
 
 What goes where:
 
-- put, get, get_into, their batch forms, begin_layers (kvstore/client/sharded_layers.py),
+- put, get, get_into, their batch forms, begin_layers (kvstore/client/parted_layers.py),
   exists, match_prefix and remove split their keys by shard and call each shard
   involved (kvstore/client/fanout.py: directly for one, side by side for several);
   per-key results come back in the caller's order.
@@ -48,9 +48,9 @@ from kvstore._proto import store_pb2 as pb
 from kvstore.client.base import one
 from kvstore.client.fanout import FanOut, Groups, leading_run, pick, raise_any, scatter
 from kvstore.client.layered import LayeredPut, block_info
+from kvstore.client.parted_layers import PartedLayeredPut
 from kvstore.client.shard_health import ShardSuspects
 from kvstore.client.sharded_control import merge_stats, shard_control
-from kvstore.client.sharded_layers import ShardedLayeredPut
 from kvstore.client.store import NodeClient
 from kvstore.errors import ConfigError, ConflictError, InvalidValue, KVStoreError
 from kvstore.keys import Namespace
@@ -290,7 +290,7 @@ class ShardedClient:
             return self._on(groups[0][0], groups[0][1], start)
         t = self.first.config.timeout_s if timeout is None else timeout
         outcomes = self.each_group(groups, start)
-        return ShardedLayeredPut.start(ks, info, t, [idx for _, idx in groups], outcomes, self.fan)
+        return PartedLayeredPut.start(ks, info, t, [idx for _, idx in groups], outcomes, self.fan)
 
     # -- metadata -----------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ import torch
 from kvstore import Namespace, prefix_keys
 from kvstore.client.cluster import ClusterClient
 from kvstore.client.groups import WriteUnit, unit_prefix, write_units
-from kvstore.client.split_layers import SplitLayeredPut
+from kvstore.client.parted_layers import PartedLayeredPut
 from kvstore.config import NodeConfig
 from kvstore.directory import MemoryBackend, MemoryDirectory, NodeInfo, Replica
 from kvstore.directory.background import BackgroundDirectory
@@ -188,7 +188,7 @@ def test_a_layered_write_is_split_by_shard_and_commits_in_key_order(cluster: Clu
     blocks = [block(100 + i) for i in range(10)]
     with cluster.client(node_id="g").open() as w:
         with w.begin_layers(k, shape=SHAPE, dtype=torch.float32) as lw:
-            assert isinstance(lw, SplitLayeredPut) and lw.keys == k
+            assert isinstance(lw, PartedLayeredPut) and lw.keys == k
             lw.write(0, [b[0:1] for b in blocks])
             lw.write_stacked(1, torch.stack([b[1:2] for b in blocks], dim=1))
             assert lw.written == 2
@@ -206,25 +206,31 @@ def test_a_layered_write_is_split_by_shard_and_commits_in_key_order(cluster: Clu
         assert cluster.holders(key) == (set() if i == 3 else {f"g.s{home(key)}"})
 
 
-def test_a_shard_failing_mid_write_aborts_every_part(cluster: Cluster) -> None:
+def test_a_shard_failing_mid_write_fails_its_keys_and_keeps_the_rest(cluster: Cluster) -> None:
     k = keys(10, seed=8)
+    on1 = [home(key) == 1 for key in k]
+    assert any(on1) and not all(on1)
     blocks = [block(300 + i) for i in range(10)]
     with cluster.client(node_id="g").open() as w:
         lw = w.begin_layers(k, shape=SHAPE, dtype=torch.float32)
         lw.write(0, [b[0:1] for b in blocks])
         cluster.net.stop(ADDRESSES["g.s1"])  # its link breaks on the next layer
-        with pytest.raises(KVStoreError):
-            lw.write(1, [b[1:2] for b in blocks])
-        assert lw.done
+        lw.write(1, [b[1:2] for b in blocks])  # shard 0's part goes on
+        res = lw.commit()
         cluster.net.start(ADDRESSES["g.s1"])
-    assert all(cluster.holders(key) == set() for key in k)  # shard 0's keys were not kept
+        assert [isinstance(r, KVStoreError) for r in res] == on1
+        assert [r is True for r in res] == [not x for x in on1]
+        got = w.batch_get([key for key, x in zip(k, on1, strict=True) if not x])
+        kept = [b for b, x in zip(blocks, on1, strict=True) if not x]
+        assert all(torch.equal(g, b) for g, b in zip(got, kept, strict=True))
+    assert [cluster.holders(key) for key in k] == [set() if x else {"g.s0"} for x in on1]
 
 
 def test_a_layered_write_on_a_whole_node_is_one_plain_write(cluster: Cluster) -> None:
     k = keys(3, seed=5)
     with cluster.client(node_id="a").open() as w:
         lw = w.begin_layers(k, shape=SHAPE, dtype=torch.float32)
-        assert not isinstance(lw, SplitLayeredPut)  # the unsharded path is unchanged
+        assert not isinstance(lw, PartedLayeredPut)  # the unsharded path is unchanged
         lw.write(0, [block(i) for i in range(3)])
         assert lw.commit() == [True] * 3
 
@@ -246,7 +252,7 @@ def test_the_async_client_writes_layers_split_by_shard(cluster: Cluster) -> None
         )
         try:
             async with await c.begin_layers(k, shape=SHAPE, dtype=torch.float32) as lw:
-                assert isinstance(lw.sync, SplitLayeredPut)
+                assert isinstance(lw.sync, PartedLayeredPut)
                 await lw.write(0, blocks)
                 return await lw.commit()
         finally:

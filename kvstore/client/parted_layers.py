@@ -1,17 +1,22 @@
-"""A layer-by-layer write to a sharded node: one layered put per shard, behind one.
+"""One layer-by-layer write whose keys went to several places, used as one.
 
-``begin_layers`` on a sharded node (kvstore/client/sharded.py) starts each shard's own
-layered put (kvstore/client/layered.py, LinkLayeredPut) over that shard's keys. The
-caller writes layers as to one: each layer's runs are split by shard and sent to the
-shards side by side, each shard's write hashing its own blocks; the commit commits
-every shard's write and puts the per-key results back in the caller's order.
+Two callers split a ``begin_layers`` call: a StoreClient of a sharded node
+(kvstore/client/sharded.py) starts one layered put (kvstore/client/layered.py) per shard
+holding keys, and a cluster client (kvstore/client/cluster_writes.py) one per node, or
+per shard of a sharded node, its keys were placed on. :class:`PartedLayeredPut` is
+their sum with the caller's key order: the caller writes layers as to one write; each
+layer's runs are cut by part and sent to the parts side by side, each part hashing its
+own blocks; the commit commits every part and puts the per-key results back in the
+caller's order.
 
-Failures follow the batch calls' rule: a shard whose write fails (at its start, a
-layer, or its commit) is aborted, its keys get that error at the commit, and the other
-shards' writes go on; when no shard's write is left, the error is raised and the write
-is over, as one node's would be. The contract of a layered put holds shard by shard:
-nothing is visible before the commit, and an abort (or leaving ``with`` without a
-commit) frees every shard's reservations.
+Failures follow the batch calls' rule: a part whose write fails (at its start, a layer,
+or its commit) is aborted, its keys get that error at the commit, and the other parts
+go on, so a cache keeps every block that could be stored; when no part is left, the
+error is raised and the write is over, as one node's would be. The contract of a
+layered put holds part by part: nothing is visible before the commit, and an abort (or
+leaving ``with`` without a commit) frees every part's reservations. Each part's own
+``on_commit`` hook (where a cluster client's keys went) runs at its commit; this
+write's runs once with every key's result.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from kvstore.client.fanout import FanOut
 from kvstore.client.layered import LayeredPut
 from kvstore.errors import KVStoreError
 
-__all__ = ["ShardedLayeredPut"]
+__all__ = ["PartedLayeredPut"]
 
 Part = tuple[list[int], LayeredPut | KVStoreError]  # positions of its keys, its write or error
 
@@ -35,8 +40,8 @@ def _runs_for(runs: list[list[Any]], idx: list[int]) -> Callable[[int], list[Any
     return lambda j: [runs[j][i] for i in idx]
 
 
-class ShardedLayeredPut(LayeredPut):
-    """One shard's layered put per group of keys (see the module docstring)."""
+class PartedLayeredPut(LayeredPut):
+    """One layered put per part of the keys (see the module docstring)."""
 
     def __init__(
         self,
@@ -59,9 +64,10 @@ class ShardedLayeredPut(LayeredPut):
         groups: Sequence[list[int]],
         started: Sequence[LayeredPut | KVStoreError],
         fan: FanOut,
-    ) -> ShardedLayeredPut:
-        """The write over the shards' writes as they started (an error where one did
-        not); raises when none did."""
+    ) -> PartedLayeredPut:
+        """The write over the parts' writes as they started (an error where one did
+        not; ``groups[i]``: the caller's positions of part ``i``'s keys); raises when
+        none did."""
         if all(isinstance(w, KVStoreError) for w in started):
             raise started[0]  # type: ignore[misc]  # all are errors
         return cls(keys, info, timeout_s, list(zip(groups, started, strict=True)), fan)
@@ -76,7 +82,7 @@ class ShardedLayeredPut(LayeredPut):
         outcomes = self._fan.run(calls)
         first: KVStoreError | None = None
         for (n, idx, _), o in zip(live, outcomes, strict=True):
-            if isinstance(o, KVStoreError):  # that shard's write aborted itself
+            if isinstance(o, KVStoreError):  # that part's write aborted itself
                 self._parts[n] = (idx, o)
                 first = first or o
         if first is not None and not self._live():
@@ -99,19 +105,19 @@ class ShardedLayeredPut(LayeredPut):
             else:
                 for i, r in zip(idx, o, strict=True):
                     results[i] = r
-        if failed and len(failed) == len(live):  # no shard committed: failed as a whole
+        if failed and len(failed) == len(live):  # no part committed: failed as a whole
             raise failed[0]
         return results
 
     def abort(self) -> None:
-        """Abort every shard's write still open; idempotent."""
+        """Abort every part's write still open; idempotent."""
         self._done = True
         failure: BaseException | None = None
         for _, w in self._parts:
             if isinstance(w, LayeredPut):
                 try:
                     w.abort()
-                except BaseException as exc:  # the other shards still free theirs
+                except BaseException as exc:  # the other parts still free theirs
                     failure = failure or exc
         if failure is not None:
             raise failure
