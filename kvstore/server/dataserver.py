@@ -50,6 +50,7 @@ from kvstore.server.auth import TokenTable
 from kvstore.server.frame_codec import send_error
 from kvstore.server.gateway import Gateway
 from kvstore.server.session import Session
+from kvstore.server.tenant_connections import TenantConnections
 from kvstore.tenants import Principal
 from kvstore.wire.crowding import CROWDING
 from kvstore.wire.frames import FrameSocket, socket_errors
@@ -106,6 +107,7 @@ class DataServer:
             may_poll=self._may_poll,
             crowded=_never if config.data_poll_crowded else CROWDING.crowded,
         )
+        self.tenants = TenantConnections(gateway.books.quotas, gateway.books.counters)
         gateway.gauges["connections"] = lambda: len(self._conns)
         gateway.gauges["handshakes"] = lambda: self._handshaking
 
@@ -223,6 +225,7 @@ class DataServer:
         finally:
             with self._lock:
                 self._conns.pop(conn_id, None)
+            self.tenants.release(conn_id)
             self.gateway.end_connection(conn_id)
             if fs is not None:
                 fs.close()

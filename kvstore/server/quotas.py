@@ -11,6 +11,7 @@ server with the entry named)::
     ssd = "100GiB"           # ... and on the SSD tier (hbm too, on a node with one)
     reservations = 32        # puts in flight at once (reserved, not yet committed)
     reserved_bytes = "1GiB"  # bytes of those puts
+    connections = 64         # data connections open at once
 
 Every field is optional, and a tenant without a table is unlimited (as before quotas).
 A limit is a positive whole number of bytes (sizes as in every setting:
@@ -37,6 +38,11 @@ moved and removed):
   held space.
 - A tenant with a quota must name a model and layout on its writes (a scope): a block
   without one carries no namespace fingerprint, so it could not be counted.
+- A data connection that would take the tenant past ``connections`` is refused right
+  after its HELLO authenticated it (``QuotaExceeded``), so one tenant's connections,
+  idle or dribbling, cannot take every slot of ``max_connections`` from the others.
+  A client opens one connection per thread that calls at once (and, on a sharded
+  node, one per shard it calls: this limit is each shard's, not divided).
 
 The quota is per node: a cluster of N nodes lets a tenant hold up to N times it.
 """
@@ -58,7 +64,8 @@ from kvstore.tier_kinds import TierKind
 __all__ = ["Quotas", "TenantQuota"]
 
 _TIERS = {t.value: t for t in TierKind}  # hbm, dram, ssd
-_FIELDS = (*_TIERS, "reservations", "reserved_bytes")
+_COUNTS = ("reservations", "connections")
+_FIELDS = (*_TIERS, *_COUNTS, "reserved_bytes")
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -69,6 +76,7 @@ class TenantQuota:
     tier_bytes: Mapping[TierKind, int] = field(default_factory=lambda: MappingProxyType({}))
     reservations: int = 0
     reserved_bytes: int = 0
+    connections: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tier_bytes", MappingProxyType(dict(self.tier_bytes)))
@@ -84,6 +92,7 @@ class TenantQuota:
             {t: part(v) for t, v in self.tier_bytes.items()},
             part(self.reservations),
             part(self.reserved_bytes),
+            self.connections,  # each shard has its own connections: not divided
         )
 
     def budget(self, namespaces: Iterable[bytes]) -> Budget:
@@ -158,15 +167,17 @@ def _parse(where: str, tenant: str, table: object) -> TenantQuota:
             f"{where}: unknown limit(s) {', '.join(sorted(unknown))}; use {', '.join(_FIELDS)}"
         )
     tiers = {_TIERS[name]: _size(where, name, v) for name, v in table.items() if name in _TIERS}
-    count = table.get("reservations", 0)
-    if "reservations" in table and (
-        isinstance(count, bool) or not isinstance(count, int) or count <= 0
-    ):
-        raise ConfigError(f"{where}.reservations: expected a whole number > 0, got {count!r}")
+    counts = {name: _count(where, name, table[name]) for name in _COUNTS if name in table}
     nbytes = (
         _size(where, "reserved_bytes", table["reserved_bytes"]) if "reserved_bytes" in table else 0
     )
-    return TenantQuota(tenant, tiers, count, nbytes)
+    return TenantQuota(tenant, tiers, reserved_bytes=nbytes, **counts)
+
+
+def _count(where: str, name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{where}.{name}: expected a whole number > 0, got {value!r}")
+    return value
 
 
 def _size(where: str, name: str, value: object) -> int:

@@ -31,6 +31,7 @@ from kvstore.server.auth import TokenTable
 from kvstore.server.frame_codec import parse, send_error
 from kvstore.server.gateway import Gateway
 from kvstore.server.read_frames import ReadFrames
+from kvstore.server.tenant_connections import TenantConnections
 from kvstore.server.write_frames import WriteFrames
 from kvstore.tenants import Principal
 from kvstore.wire.frames import PROTOCOL, REPLY, FrameSocket, Op, ProtocolError
@@ -52,6 +53,7 @@ class Server(Protocol):
     info: Callable[[Principal], pb.InfoResponse]  # what INFO tells this caller
     poller: IdlePoller
     ucx: bool  # the server offers UCX
+    tenants: TenantConnections  # each tenant's open connections, against its quota
 
     def count_in_process(self, step: int) -> None: ...
 
@@ -162,6 +164,7 @@ class Session:
             raise ProtocolError(f"protocol {hello.protocol} unsupported (server speaks {PROTOCOL})")
         try:
             self.p = self.server.tokens.authenticate(hello.token)
+            self.server.tenants.admit(self.id, self.p.tenant)
         except KVStoreError as exc:
             send_error(self.fs, exc)
             raise

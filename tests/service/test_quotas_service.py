@@ -19,9 +19,9 @@ import pytest
 
 from kvstore._proto import store_pb2 as pb
 from kvstore.blocks import checksum, describe
-from kvstore.errors import QuotaExceeded
+from kvstore.errors import KVStoreError, QuotaExceeded
 from kvstore.keys import Namespace, prefix_keys
-from kvstore.wire.codec import meta_of
+from kvstore.wire.codec import error_of, meta_of
 from kvstore.wire.frames import HEADER, MAGIC, PROTOCOL, FrameSocket, Op
 from tests.support.memory_fixtures import Served
 from tests.support.server_fixtures import ServerFactory
@@ -185,3 +185,51 @@ def test_a_bad_quota_stops_the_server_at_start(tmp_path: Path) -> None:
     server = ServerProcess(tmp_path, {"port": 0, "data_port": 0, "tokens_file": tokens})
     with pytest.raises(RuntimeError, match=r"quotas.alpha.dram: cannot parse size"):
         server.start()
+
+
+def _hello(server: ServerProcess, token: str) -> tuple[socket.socket, KVStoreError | None]:
+    """A raw data connection's HELLO: the socket and the server's refusal, if any."""
+    sock = socket.create_connection(("127.0.0.1", server.data_port), timeout=10)
+    fs = FrameSocket(sock, max_meta=1 << 20)
+    fs.set_timeout(10)
+    fs.send(Op.HELLO, pb.Hello(token=token, protocol=PROTOCOL).SerializeToString())
+    op, meta_len, _ = fs.recv_header()
+    meta = fs.recv_bytes(meta_len)
+    if op == Op.INFO:
+        return sock, None
+    assert op == Op.ERROR
+    return sock, error_of(parse_status(meta))
+
+
+def parse_status(meta: bytes) -> pb.Status:
+    status = pb.Status()
+    status.ParseFromString(meta)
+    return status
+
+
+@pytest.mark.process
+def test_a_tenant_holds_at_most_its_quota_of_data_connections(
+    server_factory: ServerFactory, tmp_path: Path
+) -> None:
+    server = _start(server_factory, tmp_path, "[quotas.alpha]\nconnections = 2\n")
+    assert isinstance(server, ServerProcess)
+    held = [_hello(server, ALPHA.token) for _ in range(2)]
+    assert [err for _, err in held] == [None, None]
+    sock, err = _hello(server, ALPHA.token)
+    assert isinstance(err, QuotaExceeded) and "connections = 2" in str(err)
+    wait_until(lambda: _closed_by_server(sock), "the refused connection closed", within=5)
+    sock.close()
+    others = [_hello(server, BRAVO.token) for _ in range(4)]  # no limit of its own
+    assert [err for _, err in others] == [None] * 4
+    held[0][0].close()  # a slot freed is taken again once the server saw the close
+
+    def admitted() -> bool:
+        s, e = _hello(server, ALPHA.token)
+        held.append((s, e))
+        return e is None
+
+    wait_until(admitted, "alpha's next connection admitted", within=5)
+    with server.client(ADMIN) as admin:  # tenant-tagged counters: an admin's to see
+        assert admin.stats()["server"]["connections_refused@alpha"] >= 1
+    for s, _ in held[1:] + others:
+        s.close()

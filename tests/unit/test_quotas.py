@@ -15,8 +15,10 @@ from kvstore.blocks import HEADER_SIZE, checksum, describe
 from kvstore.config import NodeConfig, ServerConfig
 from kvstore.errors import ConfigError, InvalidValue, QuotaExceeded
 from kvstore.node.store import StoreNode
+from kvstore.observe.counters import NodeCounters
 from kvstore.server.gateway import Gateway
 from kvstore.server.quotas import Quotas
+from kvstore.server.tenant_connections import TenantConnections
 from kvstore.server.write_batch import UNHASHED, Filled, PayloadReceiver, WriteItem
 from kvstore.tenants import Principal
 from kvstore.tier_kinds import TierKind
@@ -49,13 +51,15 @@ dram = "4MiB"
 ssd = 1048576
 reservations = 8
 reserved_bytes = "512KiB"
+connections = 3
 """,
     )
     quotas = Quotas.load(path)
     a = quotas.get("alpha")
     assert a is not None
     assert dict(a.tier_bytes) == {TierKind.DRAM: 4 << 20, TierKind.SSD: 1 << 20}
-    assert (a.reservations, a.reserved_bytes) == (8, 512 << 10)
+    assert (a.reservations, a.reserved_bytes, a.connections) == (8, 512 << 10, 3)
+    assert quotas.share(4).get("alpha").connections == 3  # type: ignore[union-attr]  # per shard
     assert quotas.get("bravo") is None  # no table: unlimited
     assert len(Quotas.from_config(ServerConfig(tokens_file=path))) == 1
     assert len(Quotas.from_config(ServerConfig(allow_anonymous=True))) == 0
@@ -85,6 +89,7 @@ def test_quotas_read_json_too(tmp_path: Path) -> None:
         ("[quotas.alpha]\nreservations = 0", "whole number > 0"),
         ("[quotas.alpha]\nreservations = 1.5", "whole number > 0"),
         ('[quotas.alpha]\nreservations = "8"', "whole number > 0"),
+        ("[quotas.alpha]\nconnections = 0", "connections: expected a whole number > 0"),
         ('[quotas.carol]\ndram = "4GiB"', "no token in this file is for tenant 'carol'"),
         ('[quotas]\nalpha = "4GiB"', "expected a table of limits"),
     ],
@@ -192,3 +197,21 @@ def test_a_fill_lease_past_its_deadline_is_cut_by_the_reaper() -> None:
         assert [x.kind for x in ended] == [LeaseKind.FILL] and table.expired == 1
     finally:
         table.close()
+
+
+def test_a_tenants_connections_are_held_to_its_quota(tmp_path: Path) -> None:
+    quotas = Quotas.load(_file(tmp_path, "\n[quotas.alpha]\nconnections = 2\n"))
+    counters = NodeCounters()
+    conns = TenantConnections(quotas, counters)
+    conns.admit(1, "alpha")
+    conns.admit(2, "alpha")
+    with pytest.raises(QuotaExceeded, match=r"tenant 'alpha' has 2 data connections open"):
+        conns.admit(3, "alpha")
+    for i in range(10, 20):
+        conns.admit(i, "bravo")  # no limit of its own
+    assert (conns.open("alpha"), conns.open("bravo")) == (2, 10)
+    conns.release(3)  # refused, never counted: nothing to give back
+    conns.release(1)
+    conns.admit(4, "alpha")  # a slot freed by a close is taken again
+    assert conns.open("alpha") == 2
+    assert counters.get("connections_refused", tenant="alpha") == 1
