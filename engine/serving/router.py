@@ -9,7 +9,9 @@ tokenized only up to the first block no node holds (:func:`encode_request`); the
 prefill worker tokenizes the rest and returns the whole prompt, which the router's
 encoder files for the conversation's next turn. A prefill worker that fails
 before the client saw anything is retried elsewhere; a decode stream that breaks
-after tokens were sent ends in an OpenAI-style error event.
+after tokens were sent goes on on another worker from the tokens sent
+(engine/serving/resume.py), and ends in an OpenAI-style error event only when no
+worker can take it.
 
 Every answer says where it went: ``usage.kvstore`` and ``x-kvstore-*`` headers.
 Prefill and decode workers are paired only within one KV codec
@@ -47,6 +49,7 @@ from engine.serving.openai_api import APIError, GenRequest, chunk, completion, p
 from engine.serving.pairing import CodecMismatch, UnpairedLog, describe_codecs
 from engine.serving.placement import Placer, PrefixView, Route
 from engine.serving.prompts import PromptEncoder
+from engine.serving.resume import Mover, Stream
 from engine.serving.upstream import Started, StreamCut, Upstream, WorkerFailed, WorkerRefused
 
 __all__ = ["Encoded", "Router", "RouterConfig", "add_arguments", "encode_request", "main"]
@@ -68,6 +71,7 @@ class RouterConfig:
     retry_after_s: int = 1
     default_max_tokens: int = 256
     upstream_timeout_s: float = 120.0
+    max_stream_moves: int = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +146,10 @@ class Router:
         self._tokenizers: dict[str, PromptEncoder] = {}
         self._tokenizer_lock = asyncio.Lock()  # one load at a time: imports race in threads
         self._suspect: dict[str, tuple[float, str]] = {}
+        self.mover = Mover(
+            self.upstream, self.placer.out, self.workers, self._release, self._broke,
+            cfg.max_stream_moves,
+        )  # fmt: skip
         pairs = UnpairedLog()
         self.view.add_listener(lambda: pairs.check(self.view.workers().values()))
 
@@ -204,6 +212,13 @@ class Router:
         self.metrics.retries.labels(exc.phase).inc()
         log.warning("%s; placing the request again", exc)
 
+    def _broke(self, worker_id: str, reason: str) -> None:
+        """A worker's decode stream broke mid-way: skip it a while, as a failed one."""
+        w = self.view.workers().get(worker_id)
+        self._suspect[worker_id] = (time.monotonic() + SUSPECT_S, w.boot_id if w else "")
+        self.metrics.stream_errors.inc()
+        log.warning("stream on worker %s cut: %s", worker_id, reason)
+
     def encode(self, enc: PromptEncoder, req: GenRequest, workers: list[WorkerRecord]) -> Encoded:
         """The request's prompt, a long new message only as far as routing needs."""
         if not workers:
@@ -230,6 +245,7 @@ class Router:
         self.metrics.prompt_tokens.inc(n_prompt)
         self.metrics.cached_tokens.inc(started.cached_tokens)
         kv = self._where(route, started, ttft)
+        stream = self._stream(req, started, eos)
         headers = {
             "x-kvstore-prefill-worker": kv["prefill_worker"],
             "x-kvstore-decode-worker": kv["decode_worker"],
@@ -239,11 +255,11 @@ class Router:
         }
         if req.stream:
             return StreamingResponse(
-                self._sse(req, tok, started, route, n_prompt, kv),
+                self._sse(req, tok, stream, n_prompt, kv),
                 media_type="text/event-stream",
                 headers=headers,
             )
-        return await self._whole(req, tok, started, route, n_prompt, kv, headers)
+        return await self._whole(req, tok, stream, n_prompt, kv, headers)
 
     async def _run(
         self, req: GenRequest, prompt: Encoded, eos: list[int], enc: PromptEncoder, t0: float
@@ -318,7 +334,7 @@ class Router:
             self.placer.prefixes.note(pre.store_node, keys[: int(h["shared_blocks"])])
         first = int(h["first_token"])
         cached = int(h["stats"]["cached_blocks"]) * pre.block_tokens
-        info: dict[str, Any] = {"prompt_tokens": len(full)}
+        info: dict[str, Any] = {"prompt_tokens": len(full), "prompt_ids": full}
         if first in eos or req.max_tokens == 1:
             finish = "stop" if first in eos else "length"
             return Started(first, cached, None, finish=finish, info=info)
@@ -353,6 +369,8 @@ class Router:
         out.finished(dec.worker_id)
         st.info["release"] = (dec.worker_id, reserve)
         st.info.setdefault("prompt_tokens", len(ids))
+        if not rest:  # else the worker's own tokenization, when it says it
+            st.info["prompt_ids"] = ids
         if rest:
             self.metrics.worker_tokenized.inc()
         shared = int(st.info.get("shared_blocks", -1))
@@ -379,56 +397,62 @@ class Router:
             "ttft_ms": round(ttft * 1e3, 3),
         }
 
+    def _stream(self, req: GenRequest, st: Started, eos: list[int]) -> Stream:
+        rel = st.info.get("release")
+        ids = st.info.get("prompt_ids")
+        prompt = [int(t) for t in ids] if isinstance(ids, list) else None
+        wid = rel[0] if rel else ""
+        return Stream(req.model, prompt, req.max_tokens, eos, st, wid)
+
     async def _sse(
-        self, req: GenRequest, tok: Any, st: Started, route: Route, n_prompt: int, kv: dict
+        self, req: GenRequest, tok: Any, s: Stream, n_prompt: int, kv: dict
     ) -> AsyncIterator[bytes]:
         def event(obj: dict[str, Any]) -> bytes:
             return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
         detok = _Detok(tok)
-        n_out = 1
         try:
-            yield event(chunk(req, detok.add(st.first), first=True))
+            yield event(chunk(req, detok.add(s.current.first), first=True))
             try:
-                async for t in st.rest():
-                    n_out += 1
+                async for t in self.mover.follow(s):
                     delta = detok.add(t)
                     if delta:
                         yield event(chunk(req, delta))
             except StreamCut as exc:
-                self.metrics.stream_errors.inc()
-                log.warning("stream of %s cut: %s", req.id, exc)
                 err = {"message": f"The decode worker failed mid-stream: {exc}",
                        "type": "server_error", "param": None, "code": "worker_failed"}  # fmt: skip
                 yield event({"error": err})
                 return
             tail = detok.flush()
-            yield event(chunk(req, tail or None, st.finish))
+            yield event(chunk(req, tail or None, s.current.finish))
             if req.include_usage:
-                yield event(chunk(req, None, usage=(n_prompt, n_out, kv)))
+                yield event(chunk(req, None, usage=(n_prompt, len(s.sent), self._moved(kv, s))))
             yield b"data: [DONE]\n\n"
             self.metrics.requests.labels(req.kind, "200").inc()
         finally:
-            self._release(st)
-            await st.close()
+            self._release(s.current)
+            await s.current.close()
+
+    @staticmethod
+    def _moved(kv: dict[str, Any], s: Stream) -> dict[str, Any]:
+        """``usage.kvstore``, with the workers a moved stream went on on."""
+        return {**kv, "resumed_on": s.resumed_on} if s.resumed_on else kv
 
     async def _whole(
-        self, req: GenRequest, tok: Any, st: Started, route: Route, n_prompt: int,
+        self, req: GenRequest, tok: Any, s: Stream, n_prompt: int,
         kv: dict[str, Any], headers: dict[str, str],
     ) -> Response:  # fmt: skip
-        toks = [st.first]
         try:
-            async for t in st.rest():
-                toks.append(t)
+            async for _ in self.mover.follow(s):
+                pass
         except StreamCut as exc:
-            self.metrics.stream_errors.inc()
             raise APIError(502, f"The decode worker failed: {exc}", type="server_error",
                            code="worker_failed") from exc  # fmt: skip
         finally:
-            self._release(st)
-            await st.close()
-        text = tok.decode(toks, skip_special_tokens=True)
-        body = completion(req, text, st.finish, n_prompt, len(toks), kv)
+            self._release(s.current)
+            await s.current.close()
+        text = tok.decode(s.sent, skip_special_tokens=True)
+        body = completion(req, text, s.current.finish, n_prompt, len(s.sent), self._moved(kv, s))
         self.metrics.requests.labels(req.kind, "200").inc()
         return JSONResponse(body, headers=headers)
 
@@ -521,6 +545,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompts shorter than this skip the prefill pool")  # fmt: skip
     p.add_argument("--max-attempts", type=int, default=3, help="placements tried per request")
     p.add_argument("--default-max-tokens", type=int, default=256)
+    p.add_argument("--max-stream-moves", type=int, default=2,
+                   help="times a broken decode stream may go on on another worker")  # fmt: skip
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -528,7 +554,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         etcd=args.etcd, cluster=args.cluster, policy=args.policy, slo_ttft_s=slo,
         short_prompt_tokens=args.short_prompt_tokens, max_attempts=args.max_attempts,
-        default_max_tokens=args.default_max_tokens,
+        default_max_tokens=args.default_max_tokens, max_stream_moves=args.max_stream_moves,
     )  # fmt: skip
 
 

@@ -227,6 +227,7 @@ class WorkerEngine:
                 "prefill_s": h.stats.ttft_s,
                 "shared_blocks": h.shared_blocks,
                 "prompt_tokens": len(prompt),
+                "prompt_ids": list(prompt),  # a router moving a cut stream needs them
             }
         }
         gen_box = [greedy_continue(self.lm.model, cache, h.first_token, max_tokens, set(stop_ids))]

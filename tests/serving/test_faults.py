@@ -1,6 +1,7 @@
 """Faults on the serving path, each on a small cluster of its own (real processes):
-a prefill worker killed mid-request, a decode worker killed mid-stream, a store node
-down. The client gets a complete, correct answer or an explicit error, never a
+a prefill worker killed mid-request, a decode worker killed mid-stream (the stream goes
+on on another decode worker, or ends in an error event when there is none), a store
+node down. The client gets a complete, correct answer or an explicit error, never a
 silently short one."""
 
 from __future__ import annotations
@@ -97,6 +98,51 @@ def test_decode_worker_killed_mid_stream_gives_an_error_event(serving: ServingCl
             if got == 2:
                 c.workers["d0"].stop(signal.SIGKILL)
     assert got >= 2
+
+
+def test_decode_worker_killed_mid_stream_goes_on_on_another(serving: ServingCluster) -> None:
+    """The stream moves: the other decode worker generates the rest from the prompt and
+    the tokens already sent (its prefix from the store), and the client gets one whole
+    answer, told where it moved."""
+    c = serving
+    c.add_node("n0")
+    slow = ["--inject-token-delay-s", "0.3"]
+    c.add_workers([
+        {"id": "p0", "role": "prefill", "node": "n0"},
+        {"id": "d0", "role": "decode", "node": "n0", "flags": slow},
+        {"id": "d1", "role": "decode", "node": "n0", "flags": slow},
+    ])  # fmt: skip
+    url = c.add_router()
+    msgs, n = _msgs(14), 12
+    stream = _client(url).chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=n, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    before, after, finish, usage = "", "", None, None
+    victim = ""
+    for ch in stream:
+        if ch.usage is not None:
+            usage = ch.usage
+        if not ch.choices:
+            continue
+        text = ch.choices[0].delta.content or ""
+        if victim:
+            after += text
+        else:
+            before += text
+        finish = ch.choices[0].finish_reason or finish
+        if not victim and before:  # tokens were sent: kill the worker sending them
+            victim = _wait_running(c, ["d0", "d1"])
+            c.workers[victim].stop(signal.SIGKILL)
+    assert victim and finish in ("stop", "length")
+    assert usage is not None
+    kv = usage.model_extra["kvstore"]
+    assert kv["resumed_on"] == [{"d0": "d1", "d1": "d0"}[victim]]
+    if finish == "length":
+        assert usage.completion_tokens == n  # nothing lost, nothing repeated
+    full = plain_engine(chat_ids(msgs), n)
+    assert full.startswith(before)  # what the first worker sent was its own
+    assert after  # and the rest came from the other
 
 
 def test_store_node_down_is_a_miss_and_a_recompute(serving: ServingCluster) -> None:
