@@ -17,7 +17,8 @@ Per request, as vLLM's disaggregated-prefill proxy does:
    next server, and with none left the decode server computes the prompt itself;
 4. the original request goes to a decode server (the one with fewest requests in
    flight; one that cannot be reached or answers 5xx before anything was sent: the
-   next) and its answer, streamed or not, goes back as it comes.
+   next) and its answer, streamed or not, goes back as it comes; a streamed answer
+   whose server dies mid-way goes on on another (engine/serving/vllm_resume.py).
 
 Every answer says where it went: ``x-kvstore-prefill`` (a URL or ``skipped``),
 ``x-kvstore-decode`` and ``x-kvstore-cached-blocks``.
@@ -58,6 +59,7 @@ from starlette.routing import Route
 
 from engine.registry import WorkerRecord
 from engine.serving.vllm_members import PoolMembers
+from engine.serving.vllm_resume import Answer, StreamRelay, resumable, with_token_ids
 from kvstore import Namespace, StoreClient, prefix_keys
 from kvstore.errors import KVStoreError
 
@@ -151,7 +153,9 @@ class Pools:
         self._stores: dict[str, StoreClient] = {}  # address -> client (cache checks)
         self._stores_lock = threading.Lock()  # checks run in worker threads
         self._http: httpx.AsyncClient | None = None
-        self.stats = {"requests": 0, "prefill_skipped": 0, "prefill_failed": 0}
+        self.stats = {
+            "requests": 0, "prefill_skipped": 0, "prefill_failed": 0, "stream_resumes": 0,
+        }  # fmt: skip
 
     def follow(self, prefill: list[WorkerRecord], decode: list[WorkerRecord]) -> None:
         """The pools from the registered servers' records (PoolMembers calls it after
@@ -312,32 +316,16 @@ class Pools:
         """Send the request to the least busy decode server (beside store node ``near``
         first) that takes it: one that cannot be reached, fails before answering or
         answers 5xx passes it to the next. Chosen now, not before the prefill, so
-        requests that arrived together spread over the pool."""
-        http = self.http()
-        failed: list[str] = []
+        requests that arrived together spread over the pool. A streamed answer whose
+        server dies mid-way goes on on another (engine/serving/vllm_resume.py)."""
         order = self._least_busy(self.decode, near)
         if not order:  # the pool emptied during the prefill
             return _error(503, "no decode server in the pool", headers)
-        for s in order:
-            s.in_flight += 1
-            s.sent += 1
-            try:
-                req = http.build_request("POST", s.url + path, json=body)
-                up = await http.send(req, stream=True)
-            except httpx.HTTPError as exc:
-                s.in_flight -= 1
-                s.failures += 1
-                failed.append(f"{s.url}: {exc}")
-                continue
-            if up.status_code >= 500 and len(failed) + 1 < len(order):
-                await up.aclose()
-                s.in_flight -= 1
-                s.failures += 1
-                failed.append(f"{s.url}: HTTP {up.status_code}")
-                continue
-            break
-        else:
-            return _error(502, "every decode server failed: " + "; ".join(failed), headers)
+        moving = resumable(path, body)
+        opened = await self._open(path, with_token_ids(body) if moving else body, order)
+        if isinstance(opened, list):
+            return _error(502, "every decode server failed: " + "; ".join(opened), headers)
+        s, up = opened
         headers["x-kvstore-decode"] = s.url
         if not body.get("stream"):
             try:
@@ -346,8 +334,13 @@ class Pools:
                 await up.aclose()
                 s.in_flight -= 1
             return Response(content, up.status_code, headers=headers, media_type="application/json")
+        if moving and up.status_code == 200:
+            relay = StreamRelay(Answer(path, body), self._reopen, self._ended, self.stats)
+            return StreamingResponse(
+                relay.events(s, up), 200, headers=headers, media_type="text/event-stream"
+            )
 
-        async def relay() -> AsyncIterator[bytes]:
+        async def as_is() -> AsyncIterator[bytes]:
             try:
                 async for chunk in up.aiter_raw():
                     yield chunk
@@ -356,8 +349,59 @@ class Pools:
                 s.in_flight -= 1
 
         return StreamingResponse(
-            relay(), up.status_code, headers=headers, media_type="text/event-stream"
+            as_is(), up.status_code, headers=headers, media_type="text/event-stream"
         )
+
+    async def _open(
+        self, path: str, body: dict[str, Any], order: list[_Server]
+    ) -> tuple[_Server, httpx.Response] | list[str]:
+        """The first server of ``order`` that takes the request (the last one's answer
+        whatever it is), counted in flight there; else why each failed."""
+        http, failed = self.http(), []
+        for i, s in enumerate(order):
+            s.in_flight += 1
+            s.sent += 1
+            try:
+                up = await http.send(
+                    http.build_request("POST", s.url + path, json=body), stream=True
+                )
+            except httpx.HTTPError as exc:
+                s.in_flight -= 1
+                s.failures += 1
+                failed.append(f"{s.url}: {exc}")
+                continue
+            if up.status_code >= 500 and i + 1 < len(order):
+                await up.aclose()
+                s.in_flight -= 1
+                s.failures += 1
+                failed.append(f"{s.url}: HTTP {up.status_code}")
+                continue
+            return s, up
+        return failed
+
+    async def _reopen(
+        self, body: dict[str, Any], tried: set[str]
+    ) -> tuple[_Server, httpx.Response] | None:
+        """A cut stream's continuation on a decode server it has not been on."""
+        order = [s for s in self._least_busy(self.decode) if s.url not in tried]
+        opened = await self._open("/v1/completions", body, order) if order else []
+        if isinstance(opened, list):
+            log.warning("no decode server took a cut stream: %s", "; ".join(opened) or "none left")
+            return None
+        s, up = opened
+        if up.status_code != 200:
+            text = await up.aread()
+            await up.aclose()
+            s.in_flight -= 1
+            log.warning(
+                "%s refused a cut stream's rest: HTTP %d %s", s.url, up.status_code, text[:200]
+            )
+            return None
+        return s, up
+
+    @staticmethod
+    def _ended(s: _Server) -> None:
+        s.in_flight -= 1
 
     async def models(self, request: Request) -> Response:
         if not self.decode:

@@ -8,6 +8,9 @@ Runs in .venv-vllm (``make test-vllm``)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,6 +18,7 @@ import pytest
 
 pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
 
 from tests.support.server_process import ALPHA  # noqa: E402
 from tests.support.vllm_fixtures import BLOCK, write_tiny_llama  # noqa: E402
@@ -137,3 +141,58 @@ def test_a_decode_server_that_cannot_be_reached_is_passed_over(stack: dict[str, 
         raw = via.completions.with_raw_response.create(**args)
         assert raw.headers["x-kvstore-decode"] == stack["decode"].url
         assert raw.parse().choices[0].text == plain.completions.create(**args).choices[0].text
+
+
+# -- last: it kills the stack's decode server ----------------------------------------------
+
+
+def test_a_stream_whose_decode_server_dies_goes_on_on_another(stack: dict[str, Any]) -> None:
+    """SIGKILL of the decode server (its API server and engine) while it streams: the
+    router asks the rest of the plain server as a completion of the prompt's and the
+    answer's token ids so far, and the client's stream goes on to its end: the tokens
+    before the kill are the plain server's own, none is lost or repeated."""
+    decode, plain = stack["decode"], stack["plain"]
+    with vllm_router(
+        stack["root"],
+        stack["model"],
+        "float32",
+        stack["store"],
+        [stack["prefill"].url],
+        [decode.url, plain.url],
+        name="router-resume",
+    ) as url:
+        via = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        direct = openai.OpenAI(base_url=plain.url + "/v1", api_key="unused")
+        prompt = _prompt(5, 2 * BLOCK + 3)
+        args: dict[str, Any] = dict(model=stack["model"], prompt=prompt, temperature=0.0)
+        start = time.monotonic()
+        direct.completions.create(max_tokens=64, extra_body={"ignore_eos": True}, **args)
+        per_token_s = (time.monotonic() - start) / 64
+        n = int(min(3000, max(256, 5.0 / per_token_s)))  # ~5 s of this machine's decoding
+        want = direct.completions.create(
+            max_tokens=n, extra_body={"ignore_eos": True, "return_token_ids": True}, **args
+        ).choices[0]
+        stream = via.completions.with_raw_response.create(
+            max_tokens=n, stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True}, **args,
+        )  # fmt: skip
+        assert stream.headers["x-kvstore-decode"] == decode.url
+        before, after, finish, usage = "", "", None, None
+        for ch in stream.parse():
+            if ch.usage is not None:
+                usage = ch.usage
+            for c in ch.choices:
+                if decode.proc.poll() is None:
+                    before += c.text
+                else:
+                    after += c.text
+                finish = c.finish_reason or finish
+            if before and decode.proc.poll() is None:
+                for pid in decode.pids():
+                    os.kill(pid, signal.SIGKILL)
+                decode.proc.wait(30)
+        assert after and finish == "length"
+        assert usage is not None and usage.completion_tokens == n
+        assert usage.prompt_tokens == len(prompt)
+        assert want.text.startswith(before)  # what the dead server sent was its own
+        assert httpx.get(url + "/health", timeout=10).json()["stream_resumes"] == 1

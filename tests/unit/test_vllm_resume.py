@@ -1,0 +1,171 @@
+"""Going on with a cut vLLM stream (engine/serving/vllm_resume.py), over scripted streams
+in vLLM's chunk format: what the continuation asks for, what the client's stream says
+across the move (its own format, ids stripped, one usage), and which requests do not
+move. The real thing, with a decode server SIGKILLed mid-stream:
+tests/vllm/test_vllm_serve.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from engine.serving.vllm_resume import Answer, StreamRelay, resumable, with_token_ids
+
+
+@dataclass
+class Server:
+    url: str
+
+
+class Lines:
+    """A streamed response: these SSE payloads, then [DONE] or a broken connection."""
+
+    def __init__(self, chunks: list[dict[str, Any]], end: str) -> None:
+        self.chunks, self.end = chunks, end
+        self.closed = False
+
+    async def aiter_lines(self) -> AsyncIterator[str]:
+        for c in self.chunks:
+            yield "data: " + json.dumps(c)
+            yield ""
+        if self.end == "done":
+            yield "data: [DONE]"
+        else:
+            raise httpx.RemoteProtocolError("peer closed connection")
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+def chat_chunk(ids: list[int], text: str, *, prompt: list[int] | None = None) -> dict[str, Any]:
+    c: dict[str, Any] = {"id": "chatcmpl-1", "created": 7, "model": "m",
+                         "object": "chat.completion.chunk",
+                         "choices": [{"index": 0, "delta": {"content": text},
+                                      "finish_reason": None, "token_ids": ids}]}  # fmt: skip
+    if prompt is not None:
+        c["prompt_token_ids"] = prompt
+    return c
+
+
+def completion_chunk(ids: list[int], text: str, finish: str | None = None) -> dict[str, Any]:
+    return {"id": "cmpl-9", "object": "text_completion", "model": "m",
+            "choices": [{"index": 0, "text": text, "finish_reason": finish,
+                         "token_ids": ids}]}  # fmt: skip
+
+
+class Pool:
+    """``reopen``: hands out the scripted continuations in order, and records asks."""
+
+    def __init__(self, *continuations: Lines) -> None:
+        self.continuations = list(continuations)
+        self.asked: list[tuple[dict[str, Any], set[str]]] = []
+        self.ended: list[str] = []
+
+    async def reopen(self, body: dict[str, Any], tried: set[str]) -> Any:
+        self.asked.append((body, set(tried)))
+        if not self.continuations:
+            return None
+        return Server(f"http://s{len(self.asked)}"), self.continuations.pop(0)
+
+    def done(self, server: Server) -> None:
+        self.ended.append(server.url)
+
+
+def relay(path: str, body: dict[str, Any], first: Lines, pool: Pool) -> list[Any]:
+    stats: dict[str, int] = {}
+    r = StreamRelay(Answer(path, body), pool.reopen, pool.done, stats)
+
+    async def run() -> list[bytes]:
+        return [e async for e in r.events(Server("http://s0"), first)]  # type: ignore[arg-type]
+
+    out = []
+    for event in asyncio.run(run()):
+        data = event.decode().removeprefix("data: ").strip()
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+CHAT = {
+    "model": "m",
+    "messages": [{"role": "user", "content": "hi"}],
+    "stream": True,
+    "max_tokens": 5,
+    "temperature": 0.0,
+    "seed": 3,
+    "stream_options": {"include_usage": True},
+}
+
+
+def test_a_cut_chat_stream_goes_on_as_a_completion_of_the_ids_so_far() -> None:
+    first = Lines([chat_chunk([], "", prompt=[1, 2, 3]), chat_chunk([10], "a"),
+                   chat_chunk([11], "b")], end="cut")  # fmt: skip
+    usage = {"id": "cmpl-9", "choices": [], "usage": {"prompt_tokens": 5}}
+    rest = Lines([completion_chunk([12], "c"), completion_chunk([13], "d"),
+                  completion_chunk([14], "e", "length"), usage], end="done")  # fmt: skip
+    pool = Pool(rest)
+    got = relay("/v1/chat/completions", CHAT, first, pool)
+    body, tried = pool.asked[0]
+    assert body == {"model": "m", "prompt": [1, 2, 3, 10, 11], "max_tokens": 3, "stream": True,
+                    "return_token_ids": True, "temperature": 0.0, "seed": 3,
+                    "stream_options": {"include_usage": True}}  # fmt: skip
+    assert tried == {"http://s0"} and pool.ended == ["http://s0", "http://s1"]
+    assert got[-1] == "[DONE]"
+    chunks = got[:-1]
+    assert all(c["id"] == "chatcmpl-1" and c["object"] == "chat.completion.chunk" for c in chunks)
+    text = "".join(ch["delta"].get("content", "") for c in chunks for ch in c["choices"])
+    assert text == "abcde"
+    assert not any("token_ids" in ch for c in chunks for ch in c["choices"])  # not asked for
+    assert not any("prompt_token_ids" in c for c in chunks)
+    assert [ch["finish_reason"] for c in chunks for ch in c["choices"]][-1] == "length"
+    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+
+
+def test_a_stream_cut_after_its_last_token_ends_without_moving() -> None:
+    body = {"model": "m", "prompt": [1, 2], "stream": True, "max_tokens": 2}
+    first = Lines([{**completion_chunk([10], "a"), "choices": [{
+        "index": 0, "text": "a", "finish_reason": None, "token_ids": [10],
+        "prompt_token_ids": [1, 2]}]}, completion_chunk([11], "b")], end="cut")  # fmt: skip
+    pool = Pool()
+    got = relay("/v1/completions", body, first, pool)
+    assert pool.asked == []
+    assert got[-2]["choices"][0]["finish_reason"] == "length" and got[-1] == "[DONE]"
+
+
+def test_a_stream_that_cannot_move_ends_in_an_error_event() -> None:
+    first = Lines([chat_chunk([], "", prompt=[1]), chat_chunk([10], "a")], end="cut")
+    pool = Pool()  # no server takes the rest
+    got = relay("/v1/chat/completions", CHAT, first, pool)
+    assert len(pool.asked) == 1
+    assert got[-1]["error"]["code"] == "worker_failed"
+    assert "mid-stream" in got[-1]["error"]["message"]
+    cut_again = Lines([completion_chunk([11], "b")], end="cut")
+    pool = Pool(cut_again, Lines([], end="cut"), Lines([], end="done"))
+    got = relay("/v1/chat/completions", CHAT, Lines(first.chunks, "cut"), pool)
+    assert len(pool.asked) == 2  # at most two moves
+    assert pool.asked[1][1] == {"http://s0", "http://s1"}  # never back where it broke
+    assert "error" in got[-1]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "ok"),
+    [
+        ("/v1/chat/completions", {"stream": True, "messages": []}, True),
+        ("/v1/completions", {"stream": True, "prompt": "text"}, True),
+        ("/v1/completions", {"stream": True, "prompt": [1, 2, 3]}, True),
+        ("/v1/completions", {"stream": True, "prompt": ["a", "b"]}, False),  # two prompts
+        ("/v1/completions", {"stream": False, "prompt": "x"}, False),  # fails over whole
+        ("/v1/chat/completions", {"stream": True, "n": 2}, False),
+        ("/v1/chat/completions", {"stream": True, "tools": [{}]}, False),
+        ("/v1/chat/completions", {"stream": True, "logprobs": True}, False),
+        ("/v1/completions", {"stream": True, "prompt": "x", "echo": True}, False),
+    ],
+)
+def test_which_requests_can_move(path: str, body: dict[str, Any], ok: bool) -> None:
+    assert resumable(path, body) is ok
+    assert with_token_ids(body)["return_token_ids"] is True and "return_token_ids" not in body
