@@ -122,17 +122,17 @@ def test_a_chat_through_the_router_is_the_plain_one_and_its_prefix_is_found(
     assert again.parse().choices[0].message.content == want
 
 
+def _router_over(stack: dict[str, Any], decode: list[str], name: str) -> Any:
+    """Another router over the stack's prefill server and these decode servers."""
+    return vllm_router(
+        stack["root"], stack["model"], "float32", stack["store"], [stack["prefill"].url],
+        decode, name=name,
+    )  # fmt: skip
+
+
 def test_a_decode_server_that_cannot_be_reached_is_passed_over(stack: dict[str, Any]) -> None:
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    with vllm_router(
-        stack["root"],
-        stack["model"],
-        "float32",
-        stack["store"],
-        [stack["prefill"].url],
-        [dead, stack["decode"].url],
-        name="router-failover",
-    ) as url:
+    with _router_over(stack, [dead, stack["decode"].url], "router-failover") as url:
         via = openai.OpenAI(base_url=url + "/v1", api_key="unused")
         plain = openai.OpenAI(base_url=stack["plain"].url + "/v1", api_key="unused")
         args = dict(
@@ -152,15 +152,7 @@ def test_a_stream_whose_decode_server_dies_goes_on_on_another(stack: dict[str, A
     answer's token ids so far, and the client's stream goes on to its end: the tokens
     before the kill are the plain server's own, none is lost or repeated."""
     decode, plain = stack["decode"], stack["plain"]
-    with vllm_router(
-        stack["root"],
-        stack["model"],
-        "float32",
-        stack["store"],
-        [stack["prefill"].url],
-        [decode.url, plain.url],
-        name="router-resume",
-    ) as url:
+    with _router_over(stack, [decode.url, plain.url], "router-resume") as url:
         via = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         direct = openai.OpenAI(base_url=plain.url + "/v1", api_key="unused")
         prompt = _prompt(5, 2 * BLOCK + 3)
