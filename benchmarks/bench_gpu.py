@@ -202,9 +202,12 @@ def node_rows(runs: int) -> list[dict[str, Any]]:
     return rows
 
 
-def report(rows: list[dict[str, Any]], device: str) -> str:
-    lines = [f"bench_gpu on {device}", "", "| measure | ours | anchor | ratio | target | met |"]
-    lines.append("|---|---|---|---|---|---|")
+def report(rows: list[dict[str, Any]], device: str, *, head: bool = True) -> str:
+    """Markdown rows of the table (with its title and header when ``head``)."""
+    lines = []
+    if head:
+        lines = [f"bench_gpu on {device}", "", "| measure | ours | anchor | ratio | target | met |"]
+        lines.append("|---|---|---|---|---|---|")
     for r in rows:
         if r.get("missing"):
             lines.append(f"| {r['measure']} | MISSING | | | | |")
@@ -232,17 +235,27 @@ def main() -> int:
         print("bench_gpu: no CUDA device; nothing measured")
         return 0
     device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke run)"
+    rows: list[dict[str, Any]] = []
+
+    def done(new: list[dict[str, Any]]) -> None:
+        """Each group's rows as soon as they are measured: a run cut short by its time
+        limit still leaves what it measured, in the log and in ``--out``."""
+        rows.extend(new)
+        if not args.json:
+            print(report(new, device, head=len(rows) == len(new)), flush=True)
+        if args.out:
+            with args.out.open("a") as fh:
+                fh.write(report(new, device, head=len(rows) == len(new)) + "\n")
+
     with kvstore_server("2GiB") as facts:
         address = f"127.0.0.1:{facts['port']}"
-        rows = prefix_rows(address, args.runs) + put_rows(address, args.runs)
+        done(prefix_rows(address, args.runs))
+        done(put_rows(address, args.runs))
     with kvstore_server("1GiB") as facts:  # a fresh node: the prefix is all it holds
-        rows.append(ttft_row(f"127.0.0.1:{facts['port']}", args.runs))
-    rows += node_rows(args.runs)
-    text = report(rows, device)
-    print(json.dumps(rows, indent=1) if args.json else text, flush=True)
-    if args.out:
-        with args.out.open("a") as fh:
-            fh.write(text + "\n\n")
+        done([ttft_row(f"127.0.0.1:{facts['port']}", args.runs)])
+    done(node_rows(args.runs))
+    if args.json:
+        print(json.dumps(rows, indent=1), flush=True)
     return 0
 
 

@@ -42,6 +42,7 @@ import itertools
 import json
 import multiprocessing as mp
 import os
+import select
 import shutil
 import signal
 import socket
@@ -52,6 +53,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import mooncake_anchor
@@ -78,10 +80,15 @@ TOKEN = "bench-token-0123456789abcdef"
 # -- processes ------------------------------------------------------------------------------
 
 
+READY_S = 180.0  # a server warming gigabytes (and registering them with CUDA) is slow
+
+
 @contextmanager
 def kvstore_server(dram: str, *flags: str) -> Iterator[dict[str, Any]]:
     """``kvstore serve`` on free loopback ports (more ``flags`` appended); stopped by
-    PID at the end."""
+    PID at the end. Its stderr goes to ``$KVSTORE_BENCH_LOGS/serve-<pid>.log`` when that
+    folder is set (a lent GPU machine's run must say why a server died), else nowhere;
+    a server not ready within READY_S is an error naming that log, not a hang."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     env.update(KVSTORE_AUTH_TOKEN=TOKEN, PYTHONUNBUFFERED="1")
     argv = [
@@ -98,16 +105,27 @@ def kvstore_server(dram: str, *flags: str) -> Iterator[dict[str, Any]]:
         "16MiB",
         *flags,
     ]
-    proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True
-    )
+    logs = os.environ.get("KVSTORE_BENCH_LOGS")
+    log_path = Path(logs) / f"serve-{os.getpid()}-{time.monotonic_ns()}.log" if logs else None
+    with open(log_path or os.devnull, "w") as err:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, env=env, text=True)
     try:
-        assert proc.stdout is not None
-        facts = json.loads(proc.stdout.readline())
-        yield facts
+        yield _ready(proc, log_path)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
+
+
+def _ready(proc: subprocess.Popen[str], log: Path | None) -> dict[str, Any]:
+    """The server's ready line, within READY_S."""
+    assert proc.stdout is not None
+    where = f"; its stderr: {log}" if log else " (set KVSTORE_BENCH_LOGS to keep its stderr)"
+    if not select.select([proc.stdout], [], [], READY_S)[0]:
+        raise RuntimeError(f"kvstore serve not ready within {READY_S:.0f} s{where}")
+    line = proc.stdout.readline()
+    if not line:
+        raise RuntimeError(f"kvstore serve exited ({proc.wait(10)}) before it was ready{where}")
+    return dict(json.loads(line))
 
 
 REDIS_MISSING = (

@@ -45,17 +45,27 @@ export LD_LIBRARY_PATH="$PWD/.device/root/usr/lib/x86_64-linux-gnu:$PWD/.device/
     nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max \
         --format=csv,noheader 2>&1
     echo "cores: $(nproc)"
+    df -h /dev/shm | tail -1 | awk '{print "/dev/shm: " $2 " (" $4 " free)"}'
+    python3 -c "import pytest_timeout" 2>/dev/null && echo "pytest-timeout: yes" || echo "pytest-timeout: no"
     python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
 } | tee -a "$FIGURES"
 
 if [ "${DEVICE_CHECK_GPU:-1}" = "1" ]; then
     step "tests marked cuda"
-    timeout 150 python3 -m pytest -q -m cuda -p no:cacheprovider -o addopts="" tests/gpu \
-        2>&1 | tee "$OUT/cuda_tests.log" | tail -25
+    # -v names each test as it runs and faulthandler dumps every thread's stack after 40 s
+    # in one test (built into pytest), so a hang says where; pytest-timeout may be absent
+    PER_TEST=""
+    python3 -c "import pytest_timeout" 2>/dev/null && PER_TEST="--timeout=60"
+    timeout 150 python3 -m pytest -v -rfE -m cuda -p no:cacheprovider -o addopts="" \
+        -o faulthandler_timeout=40 $PER_TEST tests/gpu \
+        2>&1 | tee "$OUT/cuda_tests.log" | tail -40
+    grep -E "PASSED|FAILED|ERROR|SKIPPED" "$OUT/cuda_tests.log" | tail -60 >> "$FIGURES"
     tail -3 "$OUT/cuda_tests.log" >> "$FIGURES"
 
     step "benchmarks/bench_gpu.py"
-    timeout 150 python3 benchmarks/bench_gpu.py --runs 5 --out "$FIGURES" 2>&1 | tee "$OUT/bench_gpu.log" | tail -30
+    # each row reaches $FIGURES as it is measured; servers' stderr stays in $OUT
+    KVSTORE_BENCH_LOGS="$OUT" timeout 150 python3 benchmarks/bench_gpu.py --runs 5 \
+        --out "$FIGURES" 2>&1 | tee "$OUT/bench_gpu.log" | tail -30
 fi
 
 if [ "${DEVICE_CHECK_CORES:-0}" = "1" ]; then

@@ -24,7 +24,7 @@ mkdir -p "$DEV/wheels" "$DEV/debs" "$DEV/root"
 # The router's HTTP stack (httpx and what it needs), /metrics and psutil serve issue 32's
 # 16-core run (DEVICE_CHECK_CORES=1); a wheel the machine already has is only shadowed.
 WHEELS=(lmdb aetcd starlette uvicorn "redis>=5" hiredis "grpcio==1.85.1" "protobuf>=7.35.1,<8"
-    prometheus-client psutil httpx httpcore h11 anyio sniffio certifi idna)
+    prometheus-client psutil httpx httpcore h11 anyio sniffio certifi idna pytest-timeout)
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$DEV/wheels" "${WHEELS[@]}"

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from kvstore.copies.caller import caller_stream, on_stream, with_caller_stream
 from kvstore.errors import ClosedError, KVStoreError, TimeoutError_
 
 __all__ = ["FanOut", "Groups", "Item", "leading_run", "pick", "raise_any", "scatter", "share"]
@@ -60,7 +61,9 @@ class FanOut:
         if len(calls) == 1:
             return [_outcome(calls[0])]
         pool = self._executor()
-        futures: list[Future[T | KVStoreError]] = [pool.submit(_outcome, c) for c in calls[1:]]
+        futures: list[Future[T | KVStoreError]] = [
+            pool.submit(_outcome, with_caller_stream(c)) for c in calls[1:]
+        ]
         failure: BaseException | None = None
         out: list[T | KVStoreError] = []
         try:
@@ -89,7 +92,16 @@ class FanOut:
                 return exc
 
         pairs = list(items.items())
-        outs = [one(it) for it in pairs] if len(pairs) <= 1 else self._executor().map(one, pairs)
+        if len(pairs) <= 1:
+            outs: Any = [one(it) for it in pairs]
+        else:
+            stream = caller_stream()  # the pool's threads copy after the caller's work
+
+            def on_callers(item: Item) -> Any:
+                with on_stream(stream):
+                    return one(item)
+
+            outs = self._executor().map(on_callers, pairs)
         return list(zip(pairs, outs, strict=True))
 
     @property

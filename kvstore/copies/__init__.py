@@ -14,6 +14,8 @@ from CUDA tensors). One room, so the rules around the copies are written once:
   logged once);
 - staging.py: a ring of pinned staging buffers reused after their copies' events;
 - landing.py: a departure landed in pieces and hashed as the pieces land, an arrival.
+- caller.py: the caller's current CUDA stream, carried to the pool threads that run
+  parts of its call (a sharded or cluster call's sub-calls, an async client's calls).
 
 Nothing here imports torch until an engine is made or a tensor is copied, and nothing
 here knows a tier, a transport or an inference engine.

@@ -60,14 +60,27 @@ class _CudaCompletion(Completion):
 
 
 class _CudaBatch(Batch):
-    def __init__(self, engine: CudaCopyEngine, stream: Any, device: int) -> None:
+    """One batch's copies on its side stream. Each submission that may touch slab bytes
+    (every D2D; every copy of a batch begun ``after_slab``) first waits, on the device,
+    for the ordered stream as it is then: another thread's ordered write committed after
+    this batch began (a block this call then found) lands before this batch reads it,
+    and an ordered read of a place lands before this batch writes over it."""
+
+    def __init__(
+        self, engine: CudaCopyEngine, stream: Any, device: int, *, after_slab: bool
+    ) -> None:
         super().__init__(engine)
         self.stream = stream
         self.device = device
+        self.after_slab = after_slab
         self._torch = engine._torch
 
-    def _copy(self, dsts: Sequence[Any], srcs: Sequence[Any]) -> None:
+    def _copy(self, dsts: Sequence[Any], srcs: Sequence[Any], *, slab: bool = False) -> None:
         torch = self._torch
+        if slab or self.after_slab:
+            assert isinstance(self.engine, CudaCopyEngine)
+            with _cuda_errors("ordering device copies"):
+                self.stream.wait_stream(self.engine._ordered_stream(self.device))
         with _cuda_errors("queueing device copies"), torch.cuda.stream(self.stream):
             if len(dsts) == 1:
                 dsts[0].copy_(srcs[0], non_blocking=True)
@@ -82,7 +95,7 @@ class _CudaBatch(Batch):
         self._copy([self._host(d) for d in dsts], srcs)
 
     def d2d(self, dsts: Sequence[Any], srcs: Sequence[Any]) -> None:
-        self._copy(dsts, srcs)
+        self._copy(dsts, srcs, slab=True)
 
     def _host(self, buf: Any) -> Any:
         return self._torch.from_numpy(buf) if isinstance(buf, np.ndarray) else buf
@@ -129,10 +142,8 @@ class CudaCopyEngine(CopyEngine):
                 ready = torch.cuda.Event()
                 ready.record(torch.cuda.current_stream(index))
                 stream.wait_event(ready)  # after the producer's work, without a host wait
-            if after_slab:
-                stream.wait_stream(self._ordered_stream(index))
         self.stats["batches"] += 1
-        return _CudaBatch(self, stream, index)
+        return _CudaBatch(self, stream, index, after_slab=after_slab)
 
     def staging(self, n: int) -> Staged:
         with _cuda_errors(f"allocating {n} bytes of pinned staging"):

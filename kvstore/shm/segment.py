@@ -45,6 +45,8 @@ def map_segment(name: str, size: int, *, create: bool) -> mmap.mmap:
     process exits, which would pull a node's DRAM tier from under it.
     """
     path = _path(name)
+    if create:
+        _check_room(path, size)
     flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
     try:
         fd = os.open(path, flags, 0o600)
@@ -60,6 +62,25 @@ def map_segment(name: str, size: int, *, create: bool) -> mmap.mmap:
         raise StorageError(f"cannot map {path}: {exc}") from exc
     finally:
         os.close(fd)
+
+
+def _check_room(path: str, size: int) -> None:
+    """Refuse a segment its file system has no room for. A tmpfs file is sparse: it
+    is created at any size, and the first page touched past the room left kills the
+    process with SIGBUS, with no error to read (a container's /dev/shm is often 64 MiB).
+    Not a reservation (another process may fill the room later), but the clear error
+    for the common case."""
+    try:
+        st = os.statvfs(os.path.dirname(path))
+    except OSError:
+        return  # nothing to tell: mapping will say what is wrong
+    free = st.f_bavail * st.f_frsize
+    if size > free:
+        raise StorageError(
+            f"{path}: {size} bytes of shared memory wanted, {free} free in "
+            f"{os.path.dirname(path)}: give it more room (docker --shm-size, or mount a "
+            "larger tmpfs there), or ask for a smaller DRAM tier"
+        )
 
 
 def unmap(mm: mmap.mmap) -> bool:

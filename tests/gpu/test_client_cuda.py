@@ -117,3 +117,41 @@ def test_a_tcp_put_from_cuda_streams_through_the_staging_ring(
         expect = [wire.raw(h) for h in host]
         wire.check_put_bytes_at_the_peer(transport, conn, peer, values, expect)
     assert 0 < len(allocated) <= PUT_SLOTS
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_an_async_put_from_a_side_stream_copies_after_the_callers_work(
+    store_server: ServerProcess, transport: str
+) -> None:
+    """The async client runs its calls on executor threads, whose current stream is
+    the default one: the copies must still wait for the stream current where the call
+    was made (kvstore/copies/caller.py), here a producer behind a long kernel."""
+    import asyncio
+
+    import torch
+
+    from kvstore import AsyncStoreClient
+    from tests.support.server_process import ALPHA
+
+    host = checks.blocks(6, "cpu", seed=7)
+    src = [h.to("cuda") for h in host]
+    keys = checks.fresh_keys(6)
+    torch.cuda.synchronize()
+    producer = torch.cuda.Stream()
+
+    async def body() -> list[Any]:
+        async with AsyncStoreClient(
+            store_server.address, token=ALPHA.token, transport=transport, namespace=checks.NS
+        ) as c:
+            with torch.cuda.stream(producer):
+                values = [torch.empty_like(s) for s in src]
+                torch.cuda._sleep(50_000_000)  # the fills land well after the put is queued
+                for v, s in zip(values, src, strict=True):
+                    v.copy_(s)
+                assert await c.batch_put(keys, values) == [True] * 6
+            return list(await c.batch_get(keys))
+
+    got = asyncio.run(asyncio.wait_for(body(), 60))
+    assert all(
+        torch.equal(torch.as_tensor(g).view(h.shape), h) for g, h in zip(got, host, strict=True)
+    )

@@ -116,10 +116,13 @@ def test_a_cached_prefix_is_rebuilt_on_cuda_from_one_tensor() -> None:
             layer.keys.device.type == "cuda" and layer.values.device.type == "cuda"
             for layer in cache.layers
         )
-        with torch.inference_mode():
-            whole = model(ad.input_ids(p[: n * B]), use_cache=True).past_key_values
+        with torch.inference_mode():  # the prefill's own forward: all 90 tokens (a
+            # forward of 80 may pick other kernels on CUDA, equal only to the last bits)
+            whole = model(ad.input_ids(p), use_cache=True).past_key_values
+        t = n * B
         for a, b in zip(cache.layers, whole.layers, strict=True):
-            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+            assert torch.equal(a.keys, b.keys[..., :t, :])
+            assert torch.equal(a.values, b.values[..., :t, :])
 
 
 def test_worker_defaults_to_cuda_and_calibrates_there() -> None:

@@ -9,7 +9,10 @@ import fcntl
 import os
 from pathlib import Path
 
-from kvstore.shm.segment import sweep_stale
+import pytest
+
+from kvstore.errors import StorageError
+from kvstore.shm.segment import SHM_DIR, map_segment, sweep_stale
 
 DEAD = (1 << 22) + 12345  # above Linux's largest pid_max: never a live process
 
@@ -37,3 +40,20 @@ def test_only_unlocked_segments_of_dead_pids_are_swept(tmp_path: Path) -> None:
     assert not dead.exists() and not dead_idx.exists() and not orphan_idx.exists()
     assert mine.exists() and held.exists() and configured.exists()
     assert sweep_stale(str(tmp_path)) == [held.name]  # its lock is gone now
+
+
+def test_a_segment_larger_than_the_room_left_is_refused_not_a_sigbus() -> None:
+    """A tmpfs file is created at any size and the first page past the room kills the
+    process; the node refuses at start instead, naming the room and the fix."""
+    st = os.statvfs(SHM_DIR)
+    too_big = st.f_bavail * st.f_frsize + (1 << 30)
+    name = f"kvstore-{os.getpid()}-5ca1ab1e"
+    with pytest.raises(StorageError, match=r"shared memory wanted, \d+ free .*--shm-size"):
+        map_segment(name, too_big, create=True)
+    assert not os.path.exists(os.path.join(SHM_DIR, name))  # nothing left behind
+    mm = map_segment(name, 1 << 16, create=True)  # a size that fits is mapped as ever
+    try:
+        assert len(mm) == 1 << 16
+    finally:
+        mm.close()
+        os.unlink(os.path.join(SHM_DIR, name))
