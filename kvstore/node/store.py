@@ -127,6 +127,7 @@ class StoreNode:
                     shm_name=c.shm_name or None,
                     shared=c.shared_dram,
                     warm=c.warm,
+                    pin=True if c.hbm_bytes else None,  # see MemoryTier._pin_host
                 )
                 self._add_tier(dram)
             if c.ssd_path:

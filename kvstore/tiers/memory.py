@@ -66,7 +66,7 @@ class MemoryTier(Tier):
         device: str = "cuda",
         warm: bool = True,
         align: int = 256,
-        pin: bool = True,
+        pin: bool | None = None,
     ) -> None:
         if kind is TierKind.SSD:
             raise ConfigError("MemoryTier is for HBM or DRAM")
@@ -83,8 +83,8 @@ class MemoryTier(Tier):
             self._host = np.frombuffer(self._mm, dtype=np.uint8)
             if warm:
                 self._host[::_PAGE] = 0
-            if pin:
-                self._pin_host()
+            if pin is not False:
+                self._pin_host(import_torch=bool(pin))
         else:
             self._slab = DeviceSlab(self._alloc.capacity, device, warm=warm)
 
@@ -179,10 +179,16 @@ class MemoryTier(Tier):
 
     # -- lifecycle ---------------------------------------------------------------------
 
-    def _pin_host(self) -> None:
-        # Importing torch costs about a second; a host without an NVIDIA device node
-        # cannot use pinned memory, so do not pay for the import there.
-        if not os.path.exists("/dev/nvidiactl") and "torch" not in sys.modules:
+    def _pin_host(self, *, import_torch: bool) -> None:
+        # Registering is for copies between this slab and a GPU made in this process:
+        # a node with an HBM tier (``pin=True``: import torch for it), or one embedded
+        # in a process that already imported torch (an engine's; ``pin=None``). A store
+        # server without HBM makes none (its clients register the segment in their own
+        # processes), so it neither imports torch (about a second) nor starts a CUDA
+        # context (seconds and some GPU memory, in each shard).
+        if "torch" not in sys.modules and (
+            not import_torch or not os.path.exists("/dev/nvidiactl")
+        ):
             return
         try:
             import torch
