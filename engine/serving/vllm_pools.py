@@ -46,6 +46,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,6 +107,18 @@ class _Server:
     failures: int = 0
     sent: int = 0
     record: WorkerRecord | None = None  # a registered server's latest record
+    queued_tokens: int = 0  # prompt tokens of this router's prefills running there
+    s_per_token: float = 0.0  # its prefill time per uncached token (EWMA; 0: none seen)
+
+    def prefill_s(self, tokens: int, default_s: float) -> float:
+        """When a prefill of ``tokens`` more would finish there: what this router has
+        queued there plus it, at the rate seen there (the pool's when none was)."""
+        return (self.queued_tokens + tokens) * (self.s_per_token or default_s)
+
+    def saw_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens > 0:
+            rate = seconds / tokens
+            self.s_per_token = rate if not self.s_per_token else 0.8 * self.s_per_token + 0.2 * rate
 
     @property
     def busy(self) -> int:
@@ -243,17 +256,36 @@ class Pools:
 
     # -- the request -----------------------------------------------------------------------
 
-    async def _prefill(self, path: str, body: dict[str, Any], near: str) -> str:
-        """Run the prompt on a prefill server (one token, no stream), one beside store
-        node ``near`` first; its URL, or "" when every prefill server failed (the
-        decode server then computes it)."""
+    def prefill_order(self, tokens: int, near: str = "") -> list[_Server]:
+        """Prefill servers, soonest done first: beside store node ``near`` first, then by
+        when a prefill of ``tokens`` uncached tokens would finish there, as the cost
+        model of ``kvstore router`` ranks its workers (engine/planning/scheduler.py),
+        with each server's rate learned from the prefills this router saw it run."""
+        rates = [s.s_per_token for s in self.prefill if s.s_per_token]
+        default_s = sum(rates) / len(rates) if rates else 1.0
+        return sorted(
+            self.prefill,
+            key=lambda s: (
+                bool(near) and s.store_node != near,
+                s.prefill_s(tokens, default_s),
+                s.busy, s.failures, s.sent,
+            ),
+        )  # fmt: skip
+
+    async def _prefill(self, path: str, body: dict[str, Any], near: str, tokens: int) -> str:
+        """Run the prompt on a prefill server (one token, no stream), the one that
+        would finish ``tokens`` uncached tokens soonest (beside store node ``near``
+        first); its URL, or "" when every prefill server failed (the decode server
+        then computes it)."""
         req = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         req["max_tokens"] = 1
         if "max_completion_tokens" in req:
             req["max_completion_tokens"] = 1
-        for s in self._least_busy(self.prefill, near):
+        for s in self.prefill_order(tokens, near):
             s.in_flight += 1
             s.sent += 1
+            s.queued_tokens += tokens
+            start = time.monotonic()
             try:
                 r = await self.http().post(s.url + path, json=req)
             except httpx.HTTPError as exc:
@@ -262,6 +294,9 @@ class Pools:
                 continue
             finally:
                 s.in_flight -= 1
+                s.queued_tokens -= tokens
+            if r.status_code == 200:
+                s.saw_prefill(tokens, time.monotonic() - start)
             if r.status_code == 400:
                 raise _Refused(r)
             if r.status_code == 200:
@@ -289,15 +324,16 @@ class Pools:
             ids = await asyncio.to_thread(self.token_ids, path, body)
             target = self.check_target(near)
             cached, full = await asyncio.to_thread(self.cached_blocks, ids, target)
+            uncached = max(len(ids) - cached * target[1], 0)  # what the prefill computes
         except Exception as exc:  # the check is an optimization: never fail a request on it
             log.warning("cache check skipped (%s: %s)", type(exc).__name__, exc)
-            cached, full = 0, 0
+            cached, full, uncached = 0, 0, 0
         try:
             if full and cached >= full:
                 prefill = "skipped"
                 self.stats["prefill_skipped"] += 1
             else:
-                prefill = await self._prefill(path, body, near.store_node) or "failed"
+                prefill = await self._prefill(path, body, near.store_node, uncached) or "failed"
         except _Refused as refused:
             return Response(
                 refused.response.content,
