@@ -139,7 +139,8 @@ def _thread_names(pid: int) -> list[str]:
     names = []
     for tid in os.listdir(f"/proc/{pid}/task"):
         with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/comm") as f:
-            names.append(f.read().strip().rstrip("0123456789_-"))
+            # "python3.11" and "python3" are both the interpreter: "python"
+            names.append(f.read().strip().rstrip("0123456789_-."))
     return names
 
 
