@@ -380,6 +380,29 @@ class ServerConfig(EtcdAccess):
             if v and not v.startswith(("tcp://", "ipc://", "inproc://")):
                 raise ConfigError(f"{name} {v!r}: a ZMQ endpoint such as tcp://127.0.0.1:5557")
         _positive(self, "kv_events_block_size")
+        self._check_metrics_and_auth()
+        _positive(self, "max_batch", "max_message_bytes", "workers")
+        _positive(
+            self,
+            "lease_ttl_s",
+            "io_timeout_s",
+            "put_grace_s",
+            "put_floor_bytes",
+            "max_connections",
+            "max_handshakes",
+            "max_namespaces_per_tenant",
+        )
+        if not 0 <= self.data_poll_us <= 10_000:
+            raise ConfigError(
+                f"data_poll_us: {self.data_poll_us} is not 0 (off) to 10000 microseconds"
+            )
+        if self.transport not in ("tcp", "ucx"):
+            raise ConfigError(f"transport {self.transport!r}: choose tcp or ucx")
+        if self.transport == "ucx" and self.tls_cert:
+            raise ConfigError("transport ucx with TLS: UCX payloads would travel in the clear")
+
+    def _check_metrics_and_auth(self) -> None:
+        """Part of __post_init__: the metrics listener, shared memory, auth and TLS."""
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port: {self.metrics_port} is not -1 (off) or a TCP port")
         if self.metrics_port > 0 and self.metrics_port in (self.port, self.data_port):
@@ -402,25 +425,6 @@ class ServerConfig(EtcdAccess):
             path = getattr(self, name)
             if path and not os.path.isfile(path):
                 raise ConfigError(f"{name}: no such file {path!r}")
-        _positive(self, "max_batch", "max_message_bytes", "workers")
-        _positive(
-            self,
-            "lease_ttl_s",
-            "io_timeout_s",
-            "put_grace_s",
-            "put_floor_bytes",
-            "max_connections",
-            "max_handshakes",
-            "max_namespaces_per_tenant",
-        )
-        if not 0 <= self.data_poll_us <= 10_000:
-            raise ConfigError(
-                f"data_poll_us: {self.data_poll_us} is not 0 (off) to 10000 microseconds"
-            )
-        if self.transport not in ("tcp", "ucx"):
-            raise ConfigError(f"transport {self.transport!r}: choose tcp or ucx")
-        if self.transport == "ucx" and self.tls_cert:
-            raise ConfigError("transport ucx with TLS: UCX payloads would travel in the clear")
 
     @property
     def tls(self) -> bool:
