@@ -122,9 +122,12 @@ class UcxPayloads:
 
     # -- waiting -------------------------------------------------------------------------
 
-    def _sleep(self, until: float, nap: bool = True) -> None:
+    def _sleep(self, until: float, nap: bool = True, *, strict: bool = True) -> None:
         """Sleep until a UCX event, the socket stirs, or ``until`` (``nap`` False: only
-        look); raise when the lifeline socket closed or failed, or time ran out."""
+        look); raise when the lifeline socket closed or failed, or time ran out, and
+        (``strict``) when a frame came on the socket while a payload is still due. Not
+        ``strict`` once the payload's message has arrived and is being received: the
+        peer sent it before what follows on the socket, which may then come first."""
         now = time.monotonic()
         if now >= until:
             raise TimeoutError_("UCX: the peer stalled")
@@ -132,19 +135,20 @@ class UcxPayloads:
         sock_fd = self.sock.fileno()
         if self.closed or sock_fd < 0:  # closed under this wait: nothing more will come
             raise _PeerClosed("UCX: the connection is closed")
-        if self.fs.buffered:  # read ahead with the header: the next frame came too soon
+        if strict and self.fs.buffered:  # read ahead with the header: the next frame came too soon
             raise ProtocolError("UCX: a frame on the socket while a payload was due")
         for fd, ev in self._poll.poll(wait_ms if nap else 0):
             if ev & select.POLLNVAL:  # a descriptor closed under us: never poll it again
                 raise _PeerClosed("UCX: the connection is closed")
             if fd == sock_fd:
-                self._check_socket()
+                self._check_socket(strict)
         if self.fs.frame_timeout is not None and self.frame_until:
             self.check_frame_time()
 
-    def _check_socket(self) -> None:
-        """The socket stirred while a payload was due over UCX: the peer closed, or it
-        broke the framing (nothing may come on the socket until this frame is done)."""
+    def _check_socket(self, strict: bool = True) -> None:
+        """The socket stirred while a payload was due over UCX: the peer closed, or
+        (``strict``) it broke the framing (nothing may come on the socket until this
+        frame's payloads were sent)."""
         try:
             data = self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
         except BlockingIOError:
@@ -153,7 +157,8 @@ class UcxPayloads:
             raise TransportError(f"UCX: the connection's socket failed: {exc}") from None
         if not data:
             raise _PeerClosed("UCX: the peer closed the connection")
-        raise ProtocolError("UCX: bytes on the connection's socket while a payload was due")
+        if strict:
+            raise ProtocolError("UCX: bytes on the connection's socket while a payload was due")
 
     def check_frame_time(self) -> None:
         """TimeoutError_ (the connection broken) once the frame being read has taken
@@ -164,7 +169,9 @@ class UcxPayloads:
                 f"UCX: the peer took more than {self.fs.frame_timeout:g} s to send one frame"
             )
 
-    def _progress_until(self, done: Callable[[], bool], until: float) -> None:
+    def _progress_until(
+        self, done: Callable[[], bool], until: float, *, strict: bool = True
+    ) -> None:
         w = self._worker()
         spins = 0
         while True:
@@ -176,7 +183,7 @@ class UcxPayloads:
                 continue
             if w.arm():
                 try:
-                    self._sleep(until)
+                    self._sleep(until, strict=strict)
                 except _PeerClosed:
                     # what the peer sent before it closed may still be on its way
                     for _ in range(_SPINS):
@@ -185,12 +192,13 @@ class UcxPayloads:
                             return
                     raise
             elif not spins % _SPINS:  # busy (events keep coming): still watch the socket
-                self._sleep(until, nap=False)
+                self._sleep(until, nap=False, strict=strict)
 
-    def _wait_all(self, reqs: list[Any], what: str) -> None:
+    def _wait_all(self, reqs: list[Any], what: str, *, strict: bool = True) -> None:
         until = self._until()
         try:
-            self._progress_until(lambda: all(r.completed for r in reqs), until)
+            done = lambda: all(r.completed for r in reqs)  # noqa: E731
+            self._progress_until(done, until, strict=strict)
             for r in reqs:
                 r.check_error()
         except BaseException as exc:
@@ -353,7 +361,7 @@ class UcxPayloads:
         except Exception as exc:
             self.broken = True
             raise ucx_error(exc, "receive") from exc
-        self._wait_all([req], "receive")
+        self._wait_all([req], "receive", strict=False)  # its message is here: see _sleep
 
 
 class _Batch:
