@@ -155,7 +155,7 @@ GEOMETRIES = ("wide", "smol")
 def _engines(
     root: Path, store_address: str, token: str, geometry: str, transport: str
 ) -> dict[str, Any]:
-    from tests.support.vllm_fixtures import SMOL, WIDE, EngineProcess, EngineSpec, write_tiny_llama
+    from tests.support.vllm_fixtures import SMOL, WIDE, EngineSpec, start_engines, write_tiny_llama
 
     g = {"wide": WIDE, "smol": SMOL}[geometry]
     model = str(write_tiny_llama(root / geometry, save_dtype="bfloat16", **g))
@@ -191,13 +191,7 @@ def _engines(
             extra={"shared_storage_path": str(root / "example-files")},
         ),
     }  # fmt: skip
-    engines = {n: EngineProcess(s, root, n, hold=True) for n, s in specs.items()}
-    engines["anchor"].wait_ready()  # fills vLLM's model-info cache for the others
-    for e in engines.values():
-        e.release()
-    for e in engines.values():
-        e.wait_ready()
-    return engines
+    return start_engines(specs, root, "anchor")
 
 
 def _prompt(seed: int, tokens: int) -> list[int]:
@@ -235,7 +229,7 @@ def _run_in(
     transport: str,
 ) -> dict[str, Any]:
     from tests.support.server_process import ALPHA, ServerProcess, base_flags
-    from tests.support.vllm_fixtures import SMOL, WIDE
+    from tests.support.vllm_fixtures import SMOL, WIDE, stop_engines
 
     (root / "store").mkdir()
     flags = {**base_flags(root / "store"), "dram_bytes": "3GiB"}
@@ -285,10 +279,7 @@ def _run_in(
                         assert out == ref, f"{name}: tokens differ from the anchor's"
         stats = {n: engines[n].stats()["worker"] for n in engines if n != "anchor"}
     finally:
-        for e in engines.values():
-            e.quit()
-        for e in engines.values():
-            e.close()
+        stop_engines(engines)
         store.stop()
 
     def per_block_ms(calls: list[tuple[float, int]]) -> float:

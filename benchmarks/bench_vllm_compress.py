@@ -87,19 +87,13 @@ def agreement(tokens: list[list[int]], ref: list[list[int]]) -> dict[str, Any]:
 
 
 def _engines(root: Path, model: str, dtype: str, address: str, token: str) -> dict[str, Any]:
-    from tests.support.vllm_fixtures import EngineProcess, EngineSpec
+    from tests.support.vllm_fixtures import EngineSpec, start_engines
 
     store = {"endpoint": address, "token": token, "model_id": MODEL_ID, "timeout_s": 10.0,
              "layerwise": False, "layerwise_save": False}  # fmt: skip
     codec = {c: {} if c == "none" else {"kv_codec": c} for c in CODECS}
     specs = {c: EngineSpec(model, dtype, "kv_both", extra={**store, **codec[c]}) for c in CODECS}
-    engines = {c: EngineProcess(s, root, c, hold=True) for c, s in specs.items()}
-    engines["none"].wait_ready()  # fills vLLM's model-info cache for the others
-    for e in engines.values():
-        e.release()
-    for e in engines.values():
-        e.wait_ready()
-    return engines
+    return start_engines(specs, root, "none")
 
 
 def _compute(engines: dict[str, Any], prompts: list[list[int]], new: int) -> dict[str, Any]:
@@ -137,7 +131,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks.bench_compress import texts
     from kvstore.layout import KVLayout
     from tests.support.server_process import ALPHA, ServerProcess, base_flags
-    from tests.support.vllm_fixtures import BLOCK
+    from tests.support.vllm_fixtures import BLOCK, stop_engines
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-vllm-compress-") as tmp:
@@ -158,8 +152,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             stats = {c: e.stats()["worker"] for c, e in engines.items()}
             layouts = {c: e.info()["worker"]["namespace"][1] for c, e in engines.items()}
         finally:
-            for e in engines.values():
-                e.close()
+            stop_engines(engines)
             store.stop()
     return {
         "dtype": args.dtype,

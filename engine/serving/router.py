@@ -207,15 +207,18 @@ class Router:
         return describe_codecs([w for w in self.view.workers().values() if w.model == model])
 
     def _failed(self, exc: WorkerFailed, by_id: dict[str, WorkerRecord]) -> None:
-        w = by_id.get(exc.worker_id)
-        self._suspect[exc.worker_id] = (time.monotonic() + SUSPECT_S, w.boot_id if w else "")
+        self._skip(exc.worker_id, by_id.get(exc.worker_id))
         self.metrics.retries.labels(exc.phase).inc()
         log.warning("%s; placing the request again", exc)
 
+    def _skip(self, worker_id: str, w: WorkerRecord | None) -> None:
+        """Leave a worker that failed out of placements for SUSPECT_S (or until it
+        re-registers with another boot id)."""
+        self._suspect[worker_id] = (time.monotonic() + SUSPECT_S, w.boot_id if w else "")
+
     def _broke(self, worker_id: str, reason: str) -> None:
         """A worker's decode stream broke mid-way: skip it a while, as a failed one."""
-        w = self.view.workers().get(worker_id)
-        self._suspect[worker_id] = (time.monotonic() + SUSPECT_S, w.boot_id if w else "")
+        self._skip(worker_id, self.view.workers().get(worker_id))
         self.metrics.stream_errors.inc()
         log.warning("stream on worker %s cut: %s", worker_id, reason)
 

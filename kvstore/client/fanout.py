@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from kvstore.copies.caller import caller_stream, on_stream, with_caller_stream
+from kvstore.copies.caller import caller_stream, on_stream
 from kvstore.errors import ClosedError, KVStoreError, TimeoutError_
 
 __all__ = ["FanOut", "Groups", "Item", "leading_run", "pick", "raise_any", "scatter", "share"]
@@ -35,6 +35,12 @@ __all__ = ["FanOut", "Groups", "Item", "leading_run", "pick", "raise_any", "scat
 T = TypeVar("T")
 Groups = list[tuple[int, list[int]]]  # (shard, positions of its keys in the call)
 Item = tuple[str, list[int]]  # a node id and the positions of the call's keys it gets
+
+
+def _on_stream(stream: Any, call: Callable[[], T]) -> T | KVStoreError:
+    """``_outcome(call)`` on a pool thread, under the caller's CUDA stream."""
+    with on_stream(stream):
+        return _outcome(call)
 
 
 def _outcome(call: Callable[[], T]) -> T | KVStoreError:
@@ -60,9 +66,9 @@ class FanOut:
         """Each call's result or KVStoreError, in order (see the module docstring)."""
         if len(calls) == 1:
             return [_outcome(calls[0])]
-        pool = self._executor()
+        pool, stream = self._executor(), caller_stream()  # the pool copies after the caller
         futures: list[Future[T | KVStoreError]] = [
-            pool.submit(_outcome, with_caller_stream(c)) for c in calls[1:]
+            pool.submit(_on_stream, stream, c) for c in calls[1:]
         ]
         failure: BaseException | None = None
         out: list[T | KVStoreError] = []

@@ -20,6 +20,7 @@ import functools
 import importlib
 import json
 import os
+import random
 import select
 import subprocess
 import sys
@@ -39,6 +40,10 @@ __all__ = [
     "EngineProcess",
     "EngineSpec",
     "engine_env",
+    "prompt",
+    "start_engines",
+    "stop_engines",
+    "usable_blocks",
     "write_tiny_llama",
 ]
 
@@ -252,6 +257,42 @@ class EngineProcess:
 
 
 # -- fault injection (loaded by vLLM through kv_connector_module_path) -------------------
+
+
+def start_engines(specs: dict[str, EngineSpec], root: Path, first: str) -> dict[str, EngineProcess]:
+    """An engine process per spec, started held: ``first`` loads alone (it fills vLLM's
+    model-info cache, which the others then read), then the rest together. On a failure
+    the ones started are stopped before it is raised."""
+    engines = {name: EngineProcess(spec, root, name, hold=True) for name, spec in specs.items()}
+    try:
+        engines[first].wait_ready()
+        for e in engines.values():
+            e.release()
+        for e in engines.values():
+            e.wait_ready()
+    except BaseException:
+        stop_engines(engines)
+        raise
+    return engines
+
+
+def stop_engines(engines: dict[str, EngineProcess]) -> None:
+    """Ask every engine to quit, then wait for each."""
+    for e in engines.values():
+        e.quit()
+    for e in engines.values():
+        e.close()
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    """``n`` token ids of the tiny vocabulary, the same for the same seed."""
+    rng = random.Random(seed)
+    return [rng.randrange(4, 512) for _ in range(n)]
+
+
+def usable_blocks(n_tokens: int) -> int:
+    """Blocks the store can supply: full blocks, leaving the last token to compute."""
+    return (n_tokens - 1) // BLOCK
 
 
 def __getattr__(name: str) -> Any:

@@ -25,7 +25,6 @@ benchmarks/bench_vllm_compress.py measures.
 from __future__ import annotations
 
 import importlib.util
-import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,16 @@ from engine.hf.adapter import HFKVAdapter
 from kvstore import Namespace, prefix_keys
 from kvstore.codec import get_codec
 from tests.support.server_process import ALPHA, ServerProcess, base_flags
-from tests.support.vllm_fixtures import BLOCK, EngineProcess, EngineSpec, write_tiny_llama
+from tests.support.vllm_fixtures import (
+    BLOCK,
+    EngineProcess,
+    EngineSpec,
+    prompt,
+    start_engines,
+    stop_engines,
+    usable_blocks,
+    write_tiny_llama,
+)
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM runs in .venv-vllm (make test-vllm)", allow_module_level=True)
@@ -100,29 +108,11 @@ def engines(model: str, root: Path, store: ServerProcess) -> Iterator[dict[str, 
                                         extra=extra_for(store, kv_codec=c))  # fmt: skip
         specs[f"{c}_load"] = EngineSpec(model, "float32", "kv_consumer",
                                         extra=extra_for(store, kv_codec=c))  # fmt: skip
-    started = {name: EngineProcess(spec, root, name, hold=True) for name, spec in specs.items()}
+    started = start_engines(specs, root, "ref")
     try:
-        started["ref"].wait_ready()  # fills vLLM's model-info cache for the others
-        for e in started.values():
-            e.release()
-        for e in started.values():
-            e.wait_ready()
         yield started
     finally:
-        for e in started.values():
-            e.quit()
-        for e in started.values():
-            e.close()
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(4, 512) for _ in range(n)]
-
-
-def usable_blocks(n_tokens: int) -> int:
-    """Blocks the store can supply: full blocks, leaving the last token to compute."""
-    return (n_tokens - 1) // BLOCK
+        stop_engines(started)
 
 
 def namespace_of(e: EngineProcess) -> Namespace:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import importlib.util
 import mmap
 import os
-import random
 import signal
 import threading
 import time
@@ -37,6 +36,10 @@ from tests.support.vllm_fixtures import (
     OTHER_ISA,
     EngineProcess,
     EngineSpec,
+    prompt,
+    start_engines,
+    stop_engines,
+    usable_blocks,
     write_tiny_llama,
 )
 
@@ -115,29 +118,11 @@ def engines(root: Path, store: ServerProcess) -> Iterator[dict[str, EngineProces
             model, dtype="bfloat16", role="kv_consumer", extra=extra, attn_isa=OTHER_ISA
         ),
     }
-    started = {name: EngineProcess(spec, root, name, hold=True) for name, spec in specs.items()}
+    started = start_engines(specs, root, "ref32")
     try:
-        started["ref32"].wait_ready()
-        for e in started.values():
-            e.release()
-        for e in started.values():
-            e.wait_ready()
         yield started
     finally:
-        for e in started.values():
-            e.quit()
-        for e in started.values():
-            e.close()
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(4, 512) for _ in range(n)]
-
-
-def usable_blocks(n_tokens: int) -> int:
-    """Blocks the store can supply: full blocks, leaving the last token to compute."""
-    return (n_tokens - 1) // BLOCK
+        stop_engines(started)
 
 
 def until_hit(e: EngineProcess, p: list[int], cached: int, within: float = 15.0) -> dict:
