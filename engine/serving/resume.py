@@ -87,8 +87,9 @@ class Mover:
                     yield t
                 return
             except StreamCut as exc:
-                if self._complete(s):
-                    return  # it broke after its last token: nothing is missing
+                if self._complete(s):  # it broke after its last token: nothing is missing
+                    self.failed(s.worker_id, str(exc))  # but the worker did break
+                    return
                 await self._move(s, exc)
             s.sent.append(s.current.first)
             yield s.current.first
@@ -120,13 +121,15 @@ class Mover:
                 nxt = await self._start(w, ids, left, s.eos)
             except (WorkerFailed, WorkerRefused) as exc:
                 log.warning("going on with a cut stream on %s failed: %s", w.worker_id, exc)
+                if isinstance(exc, WorkerFailed):  # other requests should skip it too
+                    self.failed(w.worker_id, str(exc))
                 s.tried.add(w.worker_id)
                 continue
             log.info("stream cut on %s (%s); going on on %s", s.worker_id, cut, w.worker_id)
-            self.release(s.current)
-            await s.current.close()
-            s.current, s.worker_id = nxt, w.worker_id
+            old, s.current, s.worker_id = s.current, nxt, w.worker_id  # before any await
             s.resumed_on.append(w.worker_id)
+            self.release(old)
+            await old.close()
             return
 
     async def _start(self, w: WorkerRecord, ids: list[int], left: int, eos: list[int]) -> Any:

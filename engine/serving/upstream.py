@@ -180,6 +180,9 @@ class Upstream:
         except (httpx.HTTPError, StopAsyncIteration, ValueError) as exc:
             await resp.aclose()
             raise WorkerFailed(w.worker_id, "generate", repr(exc)) from exc
+        except BaseException:  # cancelled (the client left): the worker stops at once
+            await resp.aclose()
+            raise
         if "done" in head:  # max_tokens reached before a token: cannot happen (>= 1)
             await resp.aclose()
             raise WorkerFailed(w.worker_id, "generate", "finished without a token")

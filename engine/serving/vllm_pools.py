@@ -406,6 +406,9 @@ class Pools:
                 s.failures += 1
                 failed.append(f"{s.url}: {exc}")
                 continue
+            except BaseException:  # cancelled (the client left): not in flight
+                s.in_flight -= 1
+                raise
             if up.status_code >= 500 and i + 1 < len(order):
                 await up.aclose()
                 s.in_flight -= 1
@@ -426,9 +429,11 @@ class Pools:
             return None
         s, up = opened
         if up.status_code != 200:
-            text = await up.aread()
-            await up.aclose()
-            s.in_flight -= 1
+            try:
+                text = await up.aread()
+            finally:
+                await up.aclose()
+                s.in_flight -= 1
             log.warning(
                 "%s refused a cut stream's rest: HTTP %d %s", s.url, up.status_code, text[:200]
             )

@@ -20,7 +20,12 @@ engine/serving/resume.py does for ``kvstore worker`` pools:
 
 Only answers the router can continue move: one choice (``n`` of 1), no ``echo``, no
 ``logprobs``, no tools and no structured output (their parser state lives in the
-server that died). Others end with an error event, as every cut stream did before.
+server that died), no stop strings (the server holds back text that may begin one, and
+a stop string may span the cut), no presence or frequency penalty (they count output
+tokens, which become prompt), and no reasoning seen in the stream (a reasoning parser's
+state). Others end with an error event, as every cut stream did before. A stream that
+breaks with an error event of the server's (vLLM sends one when its engine dies under
+a live API server) moves like one whose connection broke.
 """
 
 from __future__ import annotations
@@ -40,14 +45,15 @@ DONE = b"data: [DONE]\n\n"
 
 # what a continuation carries over of the request (vLLM's sampling settings)
 _CARRIED = (
-    "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-    "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
-    "skip_special_tokens", "spaces_between_special_tokens", "logit_bias",
-    "bad_words", "include_stop_str_in_output", "user",
+    "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos",
+    "repetition_penalty", "skip_special_tokens", "spaces_between_special_tokens",
+    "logit_bias", "bad_words", "user", "cache_salt",
 )  # fmt: skip
 _NOT_RESUMABLE = ("echo", "logprobs", "top_logprobs", "tools", "functions", "response_format",
                   "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                  "structured_outputs", "prompt_logprobs")  # fmt: skip
+                  "structured_outputs", "prompt_logprobs", "stop")  # fmt: skip
+_OUTPUT_PENALTIES = ("presence_penalty", "frequency_penalty")
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # vLLM's /v1/completions without max_tokens
 
 
 def resumable(path: str, body: dict[str, Any]) -> bool:
@@ -59,7 +65,17 @@ def resumable(path: str, body: dict[str, Any]) -> bool:
         not isinstance(prompt, (str, list)) or _many_prompts(prompt)
     ):
         return False
-    return not any(body.get(k) for k in _NOT_RESUMABLE)
+    if any(float(body.get(k) or 0) != 0 for k in _OUTPUT_PENALTIES):
+        return False
+    return not any(_asked(body.get(k)) for k in _NOT_RESUMABLE)
+
+
+def _asked(value: Any) -> bool:
+    """Whether a request field asks for something: ``logprobs: 0`` does (vLLM returns
+    the chosen token's), an absent, null, false or empty one does not."""
+    if value is None or value is False:
+        return False
+    return not (isinstance(value, (str, list, dict)) and not value)
 
 
 def _many_prompts(prompt: Any) -> bool:
@@ -82,9 +98,17 @@ class Answer:
         self.chat = path.endswith("/chat/completions")
         self.body = body
         self.client_ids = bool(body.get("return_token_ids"))
-        self.usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        self.stream_options = {
+            k: v
+            for k, v in (body.get("stream_options") or {}).items()
+            if k in ("include_usage", "continuous_usage_stats") and v
+        }
+        self.usage = bool(self.stream_options.get("include_usage"))
         limit = body.get("max_completion_tokens") or body.get("max_tokens")
+        if not limit and not self.chat:
+            limit = COMPLETION_DEFAULT_MAX_TOKENS  # what the first server went by
         self.limit = int(limit) if limit else None
+        self.reasoning = False  # a reasoning parser's output was seen: cannot move
         self.prompt: list[int] | None = None
         self.generated: list[int] = []
         self.finished = False
@@ -96,9 +120,14 @@ class Answer:
         if not self.head and "id" in obj:
             self.head = {k: obj[k] for k in ("id", "created", "model") if k in obj}
         ids = obj.get("prompt_token_ids")
-        self.usage_sent = self.usage_sent or bool(obj.get("usage"))
+        # the closing usage chunk has no choices (continuous stats ride on every chunk)
+        self.usage_sent = self.usage_sent or bool(obj.get("usage") and not obj.get("choices"))
         for choice in obj.get("choices") or ():
             ids = ids or choice.get("prompt_token_ids")
+            delta = choice.get("delta") or {}
+            self.reasoning = self.reasoning or bool(
+                delta.get("reasoning_content") or delta.get("reasoning")
+            )
             self._take(choice)
         if isinstance(ids, list) and self.prompt is None:
             self.prompt = [int(t) for t in ids]
@@ -119,13 +148,12 @@ class Answer:
         cont = {k: self.body[k] for k in _CARRIED if k in self.body}
         cont.update(model=self.body.get("model"), prompt=self.prompt + self.generated,
                     stream=True, return_token_ids=True)  # fmt: skip
-        left = self.left()
-        if left is not None:
-            cont["max_tokens"] = left
+        # No limit (a chat's): null, for the context's room, not /v1/completions' 16.
+        cont["max_tokens"] = self.left()
         if self.body.get("min_tokens"):
             cont["min_tokens"] = max(int(self.body["min_tokens"]) - len(self.generated), 0)
-        if self.usage:
-            cont["stream_options"] = {"include_usage": True}
+        if self.stream_options:
+            cont["stream_options"] = dict(self.stream_options)
         return cont
 
     def convert(self, obj: dict[str, Any]) -> dict[str, Any] | None:
@@ -143,7 +171,7 @@ class Answer:
             "choices": choices,
         }
         if usage:
-            self.usage_sent = True
+            self.usage_sent = self.usage_sent or not choices
             n = len(self.prompt or ())
             out["usage"] = {"prompt_tokens": n, "completion_tokens": len(self.generated),
                             "total_tokens": n + len(self.generated)}  # fmt: skip
@@ -179,6 +207,11 @@ def _without_ids(obj: dict[str, Any]) -> dict[str, Any]:
         choice.pop("token_ids", None)
         choice.pop("prompt_token_ids", None)
     return obj
+
+
+def _error_text(obj: dict[str, Any]) -> str:
+    err = obj.get("error", obj)
+    return str(err.get("message", err) if isinstance(err, dict) else err)[:200]
 
 
 async def _data(resp: httpx.Response) -> AsyncIterator[str]:
@@ -224,6 +257,9 @@ class StreamRelay:
                         yield DONE
                         return
                     obj = json.loads(data)
+                    if "error" in obj or obj.get("object") == "error":  # its engine died
+                        why = f"the server sent an error: {_error_text(obj)}"
+                        break
                     out = a.convert(obj) if moved else a.observe(obj)
                     if out is not None:
                         yield _event(out)
@@ -247,7 +283,8 @@ class StreamRelay:
             (server, resp), moved = nxt, moved + 1
 
     async def _next(self, why: str, moved: int, tried: set[str]) -> Opened | None:
-        if self.answer.prompt is None or moved >= self.max_moves:
+        a = self.answer
+        if a.prompt is None or a.reasoning or moved >= self.max_moves:
             return None
         log.warning("a decode stream broke (%s); going on on another server", why)
         nxt = await self.reopen(self.answer.continuation(), tried)

@@ -15,10 +15,12 @@ heads per rank, head dim, block size, TP rank) in the namespace, so two engines 
 block exactly when model, layout, tenant and every token up to it agree. One stored
 object holds one block of every layer in the canonical layout of DESIGN.md
 (``[layers, 2, kv_heads, block_tokens, head_dim]``, token-major): the same bytes
-engine/hf/adapter.py stores for the same model, whichever CPU attention kernel (vec, vec16,
-amx, ...) arranged vLLM's pages. The namespace carries no kernel: a block saved by an
-engine on an AMX machine loads into one without AMX. engine/vllm/paged.py converts, and
-learns each kernel's page order at start by running the kernel on a probe page.
+engine/hf/adapter.py stores for the same model, whichever attention kernel arranged
+vLLM's pages: a CPU one (vec, vec16, amx, ...) or a CUDA backend's token order. The
+namespace carries no kernel: a block saved by an engine on an AMX machine, or on a GPU,
+loads into one without AMX, or on a CPU. engine/vllm/paged.py converts, and learns each
+kernel's page order at start by running the kernel on a probe page
+(engine/vllm/page_order.py).
 
 Split by role as vLLM's own offloading connector is: this module is the facade vLLM
 loads (the class named in ``kv_connector``), holding the scheduler-side object that

@@ -143,7 +143,7 @@ class StepLoad:
         """The hits' stored bytes ``raw`` decoded into the staging blocks, and the hits
         that decoded (a block that does not fails like a miss)."""
         assert self._codec is not None
-        out = self._paged.staging(len(part))[: len(hits)]
+        out = self._paged.canon(len(part))[: len(hits)]  # where the codec runs
         ok = self._codec.decode(raw, out)
         if all(ok):
             return out, hits

@@ -4,171 +4,35 @@ The store holds every block in one layout whatever wrote it (DESIGN.md, "Canonic
 layout"): ``[layers, 2, kv_heads, block_tokens, head_dim]`` in the namespace's dtype,
 token-major, the same bytes engine/hf/adapter.py cuts from a transformers cache. So a block
 written by a prefill engine on an AMX machine is read by a decode engine without AMX,
-by the transformers adapter, and by a GPU engine. vLLM's CPU attention kernels each
-arrange a page differently; this module is the only place that knows how.
-
-The page: vLLM's CPU backend allocates one tensor per layer,
-``[num_blocks, kv_heads, block_tokens, 2 * head_dim]``, and views each page and head as
-a key region followed by a value region of ``block_tokens * head_dim`` elements
-(cpu_attn.py: ``view(n, H, 2B, D).chunk(2, dim=2)``). Inside a region the kernel's
-``reshape_and_cache`` decides the order:
-
-- ``vec`` / ``vec16`` (AVX-512, AVX2, generic): the key tile transposed, ``[D, B]``;
-  the value tile token-major, ``[B, D]``.
-- ``amx`` (bf16 on AMX): tiles packed for AMX B-matrices, in 4-byte pairs of elements
-  (p = 4 / itemsize): keys as ``[B/16, D/p, 16, p]`` (16-token groups of head-dim
-  pairs), values as ``[D/16, B/p, 16, p]`` (16-dim groups of token pairs).
-
-Those orders are not trusted from this table: ``probe_page_layout`` runs the kernel's own
-``reshape_and_cache`` on tokens whose every element has a distinct bit pattern, reads
-where each one landed, and picks the table entry that agrees (a fast structured copy).
-A kernel this table does not know (NEON, VSX, RVV, a future change) gets the generic
-path: a per-element index derived from the same probe. A kernel the probe cannot map
-is refused at engine start, so a store never receives bytes in an unknown order.
+by the transformers adapter, and by a GPU engine. vLLM's attention kernels each arrange
+a page differently (engine/vllm/page_order.py learns how from the kernel); this module
+is the only place that moves bytes by that order.
 
 A gather is one ``index_select`` of whole pages per layer into a scratch buffer, then
-one reordering copy per key and value for all layers at once; a scatter is the reverse.
-The cost does not depend on where vLLM put the pages, and both buffers are allocated
-and touched once: a fresh temporary per call is new memory, whose first touch on CPU
-costs more than the copy.
+one reordering copy per key and value for all layers at once (or one indexed copy, for
+an order without a structured path); a scatter is the reverse. The cost does not depend
+on where vLLM put the pages, and the buffers are allocated and touched once: a fresh
+temporary per call is new memory, whose first touch on CPU costs more than the copy.
+
+Pages on a GPU: the scratch and the reordering run on the pages' device, and the host
+staging buffers (what the store reads and writes) are pinned, so the one copy per
+gather or scatter between them is a DMA of canonical bytes. A layer gathered on the
+forward's thread is copied to the host without a host wait; :meth:`PagedKV.fence` is
+what the thread that sends it waits on. A scatter returns once its bytes are in the
+pages, whichever stream the forward runs on.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
+from engine.vllm.page_order import PageLayout, TileOrder, known_layouts, probe_page_layout
 from kvstore.errors import ConfigError
 from kvstore.layout import KVLayout
 
 __all__ = ["PageLayout", "PagedKV", "TileOrder", "known_layouts", "probe_page_layout"]
-
-# The kernel's reshape_and_cache: (key, value, key_cache, value_cache, slot_mapping),
-# with key/value [tokens, heads, head_dim] and the caches vLLM's per-region views.
-PageWriter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
-
-_AMX_GROUP = 16  # AMX B-matrix tiles: 16 columns of 4-byte words
-
-
-@dataclass(frozen=True)
-class TileOrder:
-    """How one head's key (or value) tile sits in its page region.
-
-    The region holds the tile as a contiguous tensor of shape ``stored``; permuting it
-    by ``perm`` gives the canonical ``[B, D]`` tile with B and D split into factors
-    (``split``), so that a plain ``view`` reaches it from either side.
-    """
-
-    stored: tuple[int, ...]
-    perm: tuple[int, ...]
-
-    @property
-    def split(self) -> tuple[int, ...]:
-        """The canonical tile's shape in the permuted order (B's factors, then D's)."""
-        return tuple(self.stored[p] for p in self.perm)
-
-    @property
-    def inverse(self) -> tuple[int, ...]:
-        """The permutation that takes the split canonical tile back to ``stored``."""
-        inv = [0] * len(self.perm)
-        for i, p in enumerate(self.perm):
-            inv[p] = i
-        return tuple(inv)
-
-    def positions(self) -> torch.Tensor:
-        """For each canonical element (token-major), its offset inside the region."""
-        n = 1
-        for s in self.stored:
-            n *= s
-        return torch.arange(n).view(self.stored).permute(self.perm).reshape(n)
-
-
-@dataclass(frozen=True)
-class PageLayout:
-    """The order of one page and head: a key region then a value region.
-
-    ``index[c]`` is where canonical element ``c`` lives in the head's ``2 * B * D``
-    elements (keys ``[B, D]`` then values ``[B, D]``, token-major). ``key`` and ``value``
-    are set when a structured order matches, which copies faster than the index.
-    """
-
-    name: str
-    index: torch.Tensor
-    key: TileOrder | None = None
-    value: TileOrder | None = None
-
-    @property
-    def structured(self) -> bool:
-        """Whether gather and scatter take the structured (view and copy) path."""
-        return self.key is not None and self.value is not None
-
-
-def known_layouts(block_tokens: int, head_dim: int, itemsize: int) -> list[PageLayout]:
-    """The structured page orders of vLLM's CPU kernels that fit this geometry."""
-    B, D = block_tokens, head_dim
-    out = []
-
-    def add(name: str, key: TileOrder, value: TileOrder) -> None:
-        index = torch.cat([key.positions(), value.positions() + B * D])
-        out.append(PageLayout(name, index, key, value))
-
-    add("vec", TileOrder((D, B), (1, 0)), TileOrder((B, D), (0, 1)))  # vec and vec16
-    p = 4 // itemsize if itemsize in (1, 2, 4) else 0
-    if p and B % _AMX_GROUP == 0 and B % p == 0 and D % p == 0 and D % _AMX_GROUP == 0:
-        g = _AMX_GROUP
-        add(
-            "amx",
-            TileOrder((B // g, D // p, g, p), (0, 2, 1, 3)),
-            TileOrder((D // g, B // p, g, p), (1, 3, 0, 2)),
-        )
-    return out
-
-
-def probe_page_layout(write: PageWriter, dtype: torch.dtype, layout: KVLayout) -> PageLayout:
-    """Learn a kernel's page order from the kernel itself.
-
-    ``write`` is the kernel's reshape_and_cache. One page is filled with keys and
-    values whose elements carry their own canonical offset ``t * D + d`` as a bit
-    pattern (no arithmetic touches them: the kernels copy whole words), then read back;
-    keys first, then values.
-    A structured order that agrees wins; otherwise the probed index is used as it is.
-    Raises ConfigError unless every element landed exactly once in its own region.
-    """
-    if layout.block_tokens is None:
-        raise ConfigError("probing a page layout needs a block size (:B<n>)")
-    B, D = layout.block_tokens, layout.head_dim
-    n = B * D
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    int_type = {2: torch.int16, 4: torch.int32}.get(itemsize)
-    if int_type is None or n >= 1 << (8 * itemsize):
-        raise ConfigError(f"cannot probe vLLM pages of {dtype} with {B}x{D} tiles")
-    bits = (1 << (8 * itemsize)) - 1
-    # Two's-complement wrap keeps each offset's low bits: the bit pattern is the offset.
-    offsets = torch.arange(n, dtype=torch.int64).view(B, 1, D).to(torch.int32).to(int_type)
-    blank = torch.full_like(offsets, -1)  # all ones: no offset's pattern
-    slots = torch.arange(B, dtype=torch.long)
-    index = torch.empty(2 * n, dtype=torch.int64)
-    # Keys and values are probed one at a time, so a kernel that swapped the two
-    # regions (or wrote one into both) is caught rather than mapped.
-    for region, (key, value) in enumerate(((offsets, blank), (blank, offsets))):
-        kv = torch.full((1, 1, B, 2 * D), -1, dtype=int_type)
-        key_cache, value_cache = kv.view(dtype).view(1, 1, 2 * B, D).chunk(2, dim=2)
-        write(key.view(dtype).clone(), value.view(dtype).clone(), key_cache, value_cache, slots)
-        page = kv.view(2, n).to(torch.int64) & bits
-        values, order = torch.sort(page[region])
-        if not torch.equal(values, torch.arange(n)) or bool((page[1 - region] != bits).any()):
-            raise ConfigError(
-                "vLLM's attention kernel stored a probe page in an order the KV connector "
-                "cannot map (elements lost, doubled or moved between keys and values); "
-                "refusing to store its pages"
-            )
-        index[region * n : (region + 1) * n] = order + region * n
-    for known in known_layouts(B, D, itemsize):
-        if torch.equal(known.index, index):
-            return known
-    return PageLayout("probed", index)
 
 
 class PagedKV:
@@ -176,7 +40,9 @@ class PagedKV:
 
     ``layout`` must carry the block size (``...:B32``); every tensor is checked against
     it at construction, so a wrong geometry fails at engine start, not mid-request.
-    ``page`` is the kernel's order (``probe_page_layout``).
+    ``page`` is the kernel's order (``probe_page_layout``). The tensors may be strided
+    views (vLLM keeps some layouts block-major in memory) except on the structured
+    path, whose views need them contiguous.
     """
 
     def __init__(self, layers: Sequence[torch.Tensor], layout: KVLayout, page: PageLayout) -> None:
@@ -188,32 +54,43 @@ class PagedKV:
         self.page = page
         self.block_shape = layout.block_shape()
         for t in layers:
-            _check_page_tensor(t, layout)
+            _check_page_tensor(t, layout, contiguous=page.structured)
         H, B, D = layout.kv_heads, layout.block_tokens, layout.head_dim
         if page.index.numel() != 2 * B * D:
             raise ConfigError(f"page layout {page.name!r} is for another tile size")
         self.num_blocks = layers[0].shape[0]
         self.dtype = layers[0].dtype
         self.device = layers[0].device
-        # Per layer: whole pages [blocks, H, 2, B*D] and, on the structured path, each
+        if any(t.device != self.device for t in layers):
+            raise ConfigError("vLLM's KV tensors are on more than one device")
+        self._pinned = self.device.type == "cuda"  # host staging that DMA reaches
+        self._layers = list(layers)  # [blocks, H, B, 2D], any strides
+        # On the structured path, per layer: whole pages [blocks, H, 2, B*D], and each
         # region seen in its stored shape [blocks, H, *stored].
-        self._pages = [t.view(t.shape[0], H, 2, B * D) for t in layers]
+        self._pages: list[torch.Tensor] = []
         self._tiles: list[list[torch.Tensor]] = []
         if page.key is not None and page.value is not None:
+            self._pages = [t.view(t.shape[0], H, 2, B * D) for t in layers]
             orders = (page.key, page.value)
             self._tiles = [
                 [p[:, :, kv].view(p.shape[0], H, *orders[kv].stored) for p in self._pages]
                 for kv in (0, 1)
             ]
         self._index = page.index.to(self.device)
-        self._scatter_scratch = [torch.empty(0, dtype=self.dtype) for _ in range(2)]
-        self._staging = torch.empty((0, *self.block_shape), dtype=self.dtype)
-        self._layer_staging = torch.empty((0, 1, *self.block_shape[1:]), dtype=self.dtype)
-        self._scratch = torch.empty((len(layers), 0, H, 2, B * D), dtype=self.dtype)
-        self._save_staging = torch.empty(
-            (layout.layers, 0, *self.block_shape[1:]), dtype=self.dtype
-        )
-        self._save_scratch = torch.empty((1, 0, H, 2, B * D), dtype=self.dtype)
+        self._scatter_scratch = [self._on_device((0,)) for _ in range(2)]
+        self._staging = self._on_host((0, *self.block_shape))
+        self._layer_staging = self._on_host((0, 1, *self.block_shape[1:]))
+        self._canon = self._on_device((0, *self.block_shape))
+        self._scratch = self._on_device((len(layers), 0, H, 2, B * D))
+        self._save_staging = self._on_host((layout.layers, 0, *self.block_shape[1:]))
+        self._save_scratch = self._on_device((1, 0, H, 2, B * D))
+
+    def _on_host(self, shape: tuple[int, ...]) -> torch.Tensor:
+        # zeros (unlike empty) writes every page: first touch happens here, once.
+        return torch.zeros(shape, dtype=self.dtype, pin_memory=self._pinned)
+
+    def _on_device(self, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def reserve(self, n: int) -> None:
         """Allocate and touch the buffers for ``n`` blocks now (at engine start), so the
@@ -223,18 +100,26 @@ class PagedKV:
     def staging(self, n: int) -> torch.Tensor:
         """A host buffer of ``n`` blocks ``[n, L, 2, H, B, D]``, reused between calls."""
         if self._staging.shape[0] < n:
-            # zeros (unlike empty) writes every page: first touch happens here, once.
-            self._staging = torch.zeros((n, *self.block_shape), dtype=self.dtype)
+            self._staging = self._on_host((n, *self.block_shape))
             L, _, H, two, BD = self._scratch.shape
-            self._scratch = torch.zeros((L, n, H, two, BD), dtype=self.dtype)
+            self._scratch = self._on_device((L, n, H, two, BD))
         return self._staging[:n]
+
+    def canon(self, n: int) -> torch.Tensor:
+        """A buffer of ``n`` canonical blocks on the pages' device (the staging buffer
+        when that is the host): where a codec decodes before a scatter."""
+        if not self._pinned:
+            return self.staging(n)
+        if self._canon.shape[0] < n:
+            self._canon = self._on_device((n, *self.block_shape))
+        return self._canon[:n]
 
     def layer_staging(self, n: int) -> torch.Tensor:
         """A host buffer of one layer of ``n`` blocks ``[n, 1, 2, H, B, D]``, reused:
         the layer-wise loader's own (it runs beside the forward, never beside a
         gather)."""
         if self._layer_staging.shape[0] < n:
-            self._layer_staging = torch.zeros((n, 1, *self.block_shape[1:]), dtype=self.dtype)
+            self._layer_staging = self._on_host((n, 1, *self.block_shape[1:]))
         return self._layer_staging[:n]
 
     def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
@@ -243,11 +128,13 @@ class PagedKV:
             raise IndexError(f"block id out of range [0, {self.num_blocks})")
         return idx.to(self.device)
 
-    def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
+    def gather(self, block_ids: Sequence[int], *, on_device: bool = False) -> torch.Tensor:
         """The blocks ``block_ids`` as ``[n, L, 2, H, B, D]``, canonical (a view of the
-        staging buffer, valid until the next gather or staging call)."""
+        staging buffer, valid until the next gather or staging call); ``on_device``:
+        of :meth:`canon`'s, on the pages' device (what a codec encodes)."""
         n = len(block_ids)
-        out = self.staging(n)
+        self.staging(n)  # sizes the scratch too
+        out = self.canon(n) if on_device else self._staging[:n]
         return self._gather(block_ids, 0, out, self._scratch[:, :n])
 
     def save_staging(self, n: int) -> torch.Tensor:
@@ -257,59 +144,101 @@ class PagedKV:
         the next step's start)."""
         if self._save_staging.shape[1] < n:
             L, rest = self.block_shape[0], self.block_shape[1:]
-            self._save_staging = torch.zeros((L, n, *rest), dtype=self.dtype)
+            self._save_staging = self._on_host((L, n, *rest))
         return self._save_staging[:, :n]
 
     def gather_layer(
-        self, block_ids: Sequence[int], layer: int, out: torch.Tensor | None = None
+        self,
+        block_ids: Sequence[int],
+        layer: int,
+        out: torch.Tensor | None = None,
+        *,
+        blocking: bool = True,
     ) -> torch.Tensor:
         """Layer ``layer`` of the blocks as ``[n, 1, 2, H, B, D]``, canonical: into
         ``out`` (such a view, e.g. of :meth:`save_staging`) or a fresh tensor. Called
-        on the forward's thread, whose torch thread team it uses (a gather from another
-        thread would fight the forward's team for the cores)."""
+        on the forward's thread, whose torch thread team (CPU) or stream (GPU) it uses:
+        a gather from another thread would fight the forward's team for the cores, or
+        read pages the forward's stream has not written yet. ``blocking=False`` returns
+        before a GPU's copy to the host is done: wait on a :meth:`fence` taken after."""
         if not 0 <= layer < self.block_shape[0]:
             raise ValueError(f"layer {layer} of {self.block_shape[0]}")
         n = len(block_ids)
         if out is None:
-            out = torch.empty((n, 1, *self.block_shape[1:]), dtype=self.dtype)
+            out = self._on_host((n, 1, *self.block_shape[1:]))
         if self._save_scratch.shape[1] < n:
             H, BD = self._scratch.shape[2], self._scratch.shape[4]
-            self._save_scratch = torch.zeros((1, n, H, 2, BD), dtype=self.dtype)
-        return self._gather(block_ids, layer, out, self._save_scratch[:, :n])
+            self._save_scratch = self._on_device((1, n, H, 2, BD))
+        scratch = self._save_scratch[:, :n]
+        return self._gather(block_ids, layer, out, scratch, blocking=blocking)
+
+    def fence(self) -> Callable[[], None]:
+        """A wait for the work queued so far on the calling thread's stream (a GPU's
+        copies of a gather); nothing to wait for on CPU."""
+        if self.device.type != "cuda":
+            return _nothing
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event.synchronize
 
     def _gather(
-        self, block_ids: Sequence[int], first: int, out: torch.Tensor, scratch: torch.Tensor
+        self,
+        block_ids: Sequence[int],
+        first: int,
+        out: torch.Tensor,
+        scratch: torch.Tensor,
+        *,
+        blocking: bool = True,
     ) -> torch.Tensor:
         """Layers [first, first + k) of the blocks into ``out`` (``[n, k, 2, H, B, D]``),
-        through ``scratch`` (``[k, n, H, 2, B*D]``, page order)."""
+        through ``scratch`` (``[k, n, H, 2, B*D]``, page order) and, for host ``out``
+        of device pages, a canonical copy on the device."""
         n = len(block_ids)
         if n == 0:
             return out
         idx = self._ids(block_ids)
-        L = scratch.shape[0]  # the layers gathered
+        dst = out if out.device == self.device else torch.empty_like(out, device=self.device)
+        if self._pages:
+            self._reorder_structured(idx, first, dst, scratch)
+        else:
+            self._reorder_indexed(idx, first, dst, scratch)
+        if dst is not out:
+            out.copy_(dst, non_blocking=not blocking)  # pinned: a DMA, queued in order
+        return out
+
+    def _reorder_structured(
+        self, idx: torch.Tensor, first: int, out: torch.Tensor, scratch: torch.Tensor
+    ) -> None:
+        L, n, H, _, _ = scratch.shape  # the layers gathered
         for li, pages in enumerate(self._pages[first : first + L]):
             torch.index_select(pages, 0, idx, out=scratch[li])
-        _, _, H, _, BD = scratch.shape
-        B, D = self.block_shape[3], self.block_shape[4]
         key, value = self.page.key, self.page.value
-        if key is not None and value is not None:
-            # Write through a permuted view, read contiguously (the fast way round for
-            # a reordering copy on CPU: ~2.5x faster than the reverse).
-            for kv, order in ((0, key), (1, value)):
-                dst = out[:, :, kv].transpose(0, 1).view(L, n, H, *order.split)
-                dst.permute(0, 1, 2, *(3 + i for i in order.inverse)).copy_(
-                    scratch[:, :, :, kv].view(L, n, H, *order.stored)
-                )
-            return out
+        assert key is not None and value is not None
+        # Write through a permuted view, read contiguously (the fast way round for a
+        # reordering copy on CPU: ~2.5x faster than the reverse).
+        for kv, order in ((0, key), (1, value)):
+            dst = out[:, :, kv].transpose(0, 1).view(L, n, H, *order.split)
+            dst.permute(0, 1, 2, *(3 + i for i in order.inverse)).copy_(
+                scratch[:, :, :, kv].view(L, n, H, *order.stored)
+            )
+
+    def _reorder_indexed(
+        self, idx: torch.Tensor, first: int, out: torch.Tensor, scratch: torch.Tensor
+    ) -> None:
+        L, n, H, _, BD = scratch.shape
+        B, D = self.block_shape[3], self.block_shape[4]
+        for li, layer in enumerate(self._layers[first : first + L]):
+            torch.index_select(layer, 0, idx, out=scratch[li].view(n, H, B, 2 * D))
         flat = scratch.view(L, n, H, 2 * BD).index_select(3, self._index)
         out.permute(1, 0, 3, 2, 4, 5).copy_(flat.view(L, n, H, 2, B, D))
-        return out
 
     def scatter(
         self, blocks: torch.Tensor, block_ids: Sequence[int], *, first_layer: int = 0
     ) -> None:
         """Write canonical ``blocks`` (``[n, L, 2, H, B, D]``) into the pages ``block_ids``;
-        with ``first_layer``, ``blocks`` holds layers [first_layer, first_layer + k)."""
+        with ``first_layer``, ``blocks`` holds layers [first_layer, first_layer + k).
+        On a GPU it returns once the pages hold them (the forward may run on another
+        stream than this thread's)."""
         k = blocks.shape[1] if blocks.dim() == 6 else -1
         if (
             blocks.shape[0] != len(block_ids)
@@ -324,30 +253,40 @@ class PagedKV:
             return
         idx = self._ids(block_ids)
         src = blocks.to(self.device)
-        n, L, _, H, B, D = src.shape
+        if self._pages:
+            self._scatter_structured(src, idx, first_layer)
+        else:
+            self._scatter_indexed(src, idx, first_layer)
+        self.fence()()
+
+    def _scatter_structured(self, src: torch.Tensor, idx: torch.Tensor, first: int) -> None:
+        n, L, _, H, _, _ = src.shape
         key, value = self.page.key, self.page.value
-        if key is not None and value is not None:
-            for kv, order in ((0, key), (1, value)):
-                staged = self._staged(kv, order, n)
-                for li in range(L):
-                    tile = src[:, li, kv].reshape(n, H, *order.split)
-                    if staged is None:
-                        stored = tile.permute(0, 1, *(2 + i for i in order.inverse))
-                        self._tiles[kv][first_layer + li].index_copy_(0, idx, stored)
-                        continue
-                    # Short innermost runs (amx's 4-byte pairs): lay the tiles out in the
-                    # page's order first, through a permuted view written from a
-                    # contiguous read, then copy whole rows (1.4-1.8x faster on amx;
-                    # slower for vec's long runs, which keep the direct copy).
-                    staged.permute(0, 1, *(2 + p for p in order.perm)).copy_(tile)
-                    self._tiles[kv][first_layer + li].index_copy_(0, idx, staged)
-            return
+        assert key is not None and value is not None
+        for kv, order in ((0, key), (1, value)):
+            staged = self._staged(kv, order, n)
+            for li in range(L):
+                tile = src[:, li, kv].reshape(n, H, *order.split)
+                if staged is None:
+                    stored = tile.permute(0, 1, *(2 + i for i in order.inverse))
+                    self._tiles[kv][first + li].index_copy_(0, idx, stored)
+                    continue
+                # Short innermost runs (amx's 4-byte pairs): lay the tiles out in the
+                # page's order first, through a permuted view written from a
+                # contiguous read, then copy whole rows (1.4-1.8x faster on amx;
+                # slower for vec's long runs, which keep the direct copy).
+                staged.permute(0, 1, *(2 + p for p in order.perm)).copy_(tile)
+                self._tiles[kv][first + li].index_copy_(0, idx, staged)
+
+    def _scatter_indexed(self, src: torch.Tensor, idx: torch.Tensor, first: int) -> None:
+        n, L, _, H, B, D = src.shape
         canon = src.permute(1, 0, 3, 2, 4, 5).reshape(L, n, H, 2 * B * D)
+        page = torch.empty((n, H, 2 * B * D), dtype=self.dtype, device=self.device)
         for li in range(L):
-            pages = self._pages[first_layer + li]
-            page = pages.index_select(0, idx).view(n, H, 2 * B * D)
+            # The probe saw every element of a page land once: the index covers the
+            # page, so nothing of the old page needs reading.
             page.index_copy_(2, self._index, canon[li])
-            pages.index_copy_(0, idx, page.view(n, H, 2, B * D))
+            self._layers[first + li].index_copy_(0, idx, page.view(n, H, B, 2 * D))
 
     def _staged(self, kv: int, order: TileOrder, n: int) -> torch.Tensor | None:
         """A reused ``[n, H, *stored]`` buffer for scattering tiles whose innermost run
@@ -364,15 +303,19 @@ class PagedKV:
         return buf[:n]
 
 
-def _check_page_tensor(t: torch.Tensor, layout: KVLayout) -> None:
-    """Refuse a KV tensor that is not the CPU backend's page layout for ``layout``."""
+def _nothing() -> None:
+    """A fence with nothing to wait for."""
+
+
+def _check_page_tensor(t: torch.Tensor, layout: KVLayout, *, contiguous: bool) -> None:
+    """Refuse a KV tensor that is not vLLM's logical page shape for ``layout``."""
     H, B, D = layout.kv_heads, layout.block_tokens, layout.head_dim
     if str(t.dtype).removeprefix("torch.") != layout.dtype:
         raise ConfigError(f"KV tensor dtype {t.dtype} but the layout says {layout.dtype}")
     if t.dim() != 4 or tuple(t.shape[1:]) != (H, B, 2 * D):
         raise ConfigError(
-            f"unsupported vLLM KV page layout {tuple(t.shape)}: expected the CPU backend's "
+            f"unsupported vLLM KV page layout {tuple(t.shape)}: expected "
             f"[num_blocks, {H}, {B}, {2 * D}] (kv heads, block tokens, 2 x head dim)"
         )
-    if not t.is_contiguous():
-        raise ConfigError("vLLM KV tensors must be contiguous")
+    if contiguous and not t.is_contiguous():
+        raise ConfigError("vLLM KV tensors must be contiguous for this kernel's page order")

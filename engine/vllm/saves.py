@@ -8,7 +8,10 @@ sends it to the store (kvstore's layer-by-layer write, kvstore/client/layered.py
 the forward computes the next layers. Where the gather runs: on the forward's thread,
 with its torch thread team, when the forward holds every core (a gather from another
 thread would fight that team for them); in the saver thread when it has cores of its
-own (engine/vllm/cpus.py), so the gather is hidden too. ``finish``
+own (engine/vllm/cpus.py), so the gather is hidden too. On a GPU the gather is
+kernels on the forward's stream and a copy to pinned host memory queued behind them,
+so the forward's thread never waits: the saver waits for that copy's event before it
+sends the layer. ``finish``
 (from ``wait_for_save``) waits for the last layer and commits: the blocks become
 visible in the store once, whole, with one checksum each.
 
@@ -26,7 +29,7 @@ the gather that filled it; the buffer is reused only by the next step, after
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -38,6 +41,10 @@ from engine.vllm.paged import PagedKV
 __all__ = ["StepSave"]
 
 log = logging.getLogger("vllm.kvstore")
+
+
+def _now() -> None:
+    """Nothing to wait for: the layer is in the host buffer already."""
 
 
 class StepSave:
@@ -80,17 +87,18 @@ class StepSave:
                 return
             self._writers.append((part, w))
 
-    def _gather(self, layer: int) -> None:
+    def _gather(self, layer: int, *, blocking: bool = True) -> None:
         out = self._buf[layer : layer + 1].transpose(0, 1)  # [n, 1, ...] of the layer's run
-        self._paged.gather_layer(self._ids, layer, out)
+        self._paged.gather_layer(self._ids, layer, out, blocking=blocking)
 
-    def _send(self, layer: int, gather: bool = False) -> None:
+    def _send(self, layer: int, gather: bool = False, ready: Callable[[], None] = _now) -> None:
         if self._dead:
             return
         try:
             if gather:  # the buffers were made under the forward's inference mode
                 with torch.inference_mode():
                     self._gather(layer)
+            ready()  # a GPU's copy of the layer to the host, queued by the forward
             for part, w in self._writers:
                 w.write_stacked(layer, self._buf[layer : layer + 1, part.start : part.stop])
         except Exception as exc:
@@ -134,9 +142,11 @@ class StepSave:
         thread, or by the saver when it has cores of its own (``gather_in_saver``)."""
         while self._next <= min(layer, self._layers - 1):
             li = self._next
+            ready = _now
             if not self._dead and not self._gather_in_saver:
-                self._gather(li)
-            self._executor.submit(self._send, li, self._gather_in_saver)
+                self._gather(li, blocking=False)  # a GPU's copy runs on behind the forward
+                ready = self._paged.fence()
+            self._executor.submit(self._send, li, self._gather_in_saver, ready)
             self._next += 1
 
     def finish(self, failed_reqs: set[str]) -> tuple[int, int, int]:

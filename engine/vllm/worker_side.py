@@ -2,7 +2,7 @@
 
 It runs in each vLLM worker, beside the forward, and decides nothing: it binds vLLM's
 paged KV tensors (learning the attention kernel's page order by running the kernel on
-a probe page, engine/vllm/paged.py), starts the step's loads (every request's hits in
+a probe page, engine/vllm/page_order.py), starts the step's loads (every request's hits in
 one batch per layer, engine/vllm/loads.py): layer by layer in the background with
 ``layerwise`` (the default), each attention layer waiting for its own layer only, so
 the forward starts once layer 0 has landed; whole blocks before the forward without
@@ -29,6 +29,7 @@ from engine.blockstore import GuardedStore
 from engine.vllm.compress import BlockCodec
 from engine.vllm.cpus import pin_this_thread, transfer_cpus
 from engine.vllm.loads import BlockTransfer, StepLoad
+from engine.vllm.page_order import PageWriter
 from engine.vllm.paged import PagedKV, PageLayout, probe_page_layout
 from engine.vllm.saves import StepSave
 from engine.vllm.scheduler_side import KVStoreConnectorMetadata
@@ -51,10 +52,6 @@ logger = logging.getLogger("vllm.kvstore")
 def cpu_attention_isa(vllm_config: VllmConfig, spec: Any) -> str:
     """The ISA of vLLM's CPU attention kernel for this KV spec (vec, vec16, amx, neon,
     ...): it fixes how a page's bytes are arranged, never what the store holds."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        raise ConfigError("KVStoreConnector supports vLLM's CPU attention backend only (for now)")
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     cache_dtype = vllm_config.cache_config.cache_dtype
@@ -63,24 +60,51 @@ def cpu_attention_isa(vllm_config: VllmConfig, spec: Any) -> str:
 
 def page_layout_for(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> PageLayout:
     """The page order of the kernel this engine runs, probed with the kernel's own
-    reshape_and_cache (see engine/vllm/paged.py)."""
-    from vllm import _custom_ops as ops
+    reshape_and_cache (see engine/vllm/page_order.py): the CPU backend's, or on a CUDA
+    GPU the one every CUDA backend (FlashAttention, Triton, FlashInfer, Flex) writes
+    with, ``reshape_and_cache_flash``, on the engine's device."""
+    from vllm.platforms import current_platform
 
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    dtype = str(spec.dtype).removeprefix("torch.")
+    layout = KVLayout.parse(f"{dtype}:L1:H1:D{spec.head_size}:B{spec.block_size}")
+    if current_platform.is_cpu():
+        kernel, split, device, write = _cpu_writer(vllm_config, spec)
+    elif current_platform.is_cuda():
+        kernel, split, device, write = _cuda_writer()
+    else:
+        raise ConfigError("KVStoreConnector supports vLLM on CPU and on CUDA GPUs")
+    try:
+        page = probe_page_layout(write, spec.dtype, layout, split=split, device=device)
+    except ConfigError:
+        raise
+    except Exception as exc:  # the kernel refused the probe itself
+        raise ConfigError(f"probing vLLM's {kernel} page layout failed: {exc}") from exc
+    return PageLayout(f"{kernel}:{page.name}", page.index, page.key, page.value, page.split)
+
+
+def _cpu_writer(vllm_config: VllmConfig, spec: Any) -> tuple[str, str, str, PageWriter]:
+    from vllm import _custom_ops as ops
+
     isa = cpu_attention_isa(vllm_config, spec)
 
     def write(key: Any, value: Any, key_cache: Any, value_cache: Any, slots: Any) -> None:
         ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
 
-    dtype = str(spec.dtype).removeprefix("torch.")
-    layout = KVLayout.parse(f"{dtype}:L1:H1:D{spec.head_size}:B{spec.block_size}")
-    try:
-        page = probe_page_layout(write, spec.dtype, layout)
-    except ConfigError:
-        raise
-    except Exception as exc:  # the kernel refused the probe itself
-        raise ConfigError(f"probing vLLM's {isa} page layout failed: {exc}") from exc
-    return PageLayout(f"{isa}:{page.name}", page.index, page.key, page.value)
+    return isa, "regions", "cpu", write
+
+
+def _cuda_writer() -> tuple[str, str, str, PageWriter]:
+    import torch
+    from vllm import _custom_ops as ops
+
+    device = f"cuda:{torch.cuda.current_device()}"
+
+    def write(key: Any, value: Any, key_cache: Any, value_cache: Any, slots: Any) -> None:
+        one = torch.ones((), dtype=torch.float32, device=key.device)  # unquantized: unused
+        ops.reshape_and_cache_flash(key, value, key_cache, value_cache, slots, "auto", one, one)
+
+    return "cuda", "tokens", device, write
 
 
 def _chunks(n: int, size: int) -> Iterator[slice]:
@@ -211,7 +235,9 @@ class WorkerSide:
                     self._pages(),
                     self.config.max_blocks_per_call,
                     self._saver,
-                    gather_in_saver=self._transfer_cpus is not None,
+                    # A GPU's gathers are kernels queued on the forward's stream.
+                    gather_in_saver=self._transfer_cpus is not None
+                    and self._pages().device.type == "cpu",
                 )
                 self.stats.layerwise_saves += 1
         if self._save is not None:
@@ -249,7 +275,7 @@ class WorkerSide:
         for part in _chunks(len(keys), self.config.max_blocks_per_call):
             if not self.store.available:
                 break  # the store is down: these blocks stay unsaved
-            blocks = paged.gather(ids[part])
+            blocks = paged.gather(ids[part], on_device=self.codec is not None)
             part_keys, values = keys[part], [blocks[j] for j in range(len(blocks))]
             if self.codec is not None:  # encoded where the pages are; refused ones skipped
                 coded = self.codec.encode(blocks)

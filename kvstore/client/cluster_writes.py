@@ -59,11 +59,14 @@ class ClusterWrites:
                 return members.client(node_id).batch_put([ks[i] for i in idx], sub_v, timeout=left)
 
             done = self.fan.each(placed, put)
-            raise_other(done)
             for (node_id, idx), out in done:
                 if isinstance(out, NODE_FAILURES):
                     members.suspect(node_id, out)
                     todo += idx
+                    continue
+                if isinstance(out, KVStoreError):  # that node refused the call: its keys'
+                    out = [out] * len(idx)
+                elif isinstance(out, BaseException):  # not ours: after the rest is noted
                     continue
                 for i, r in zip(idx, out, strict=True):
                     results[i] = r
@@ -71,6 +74,9 @@ class ClusterWrites:
                         self.remember(scoped[i], node_id)
                     elif r.retryable:
                         todo.append(i)
+            for _, out in done:  # a bug's exception, raised once the rest is noted
+                if isinstance(out, BaseException) and not isinstance(out, KVStoreError):
+                    raise out
             todo.sort()  # sub-batches keep the caller's order
         if any(r is None for r in results):
             raise Unavailable(f"no live node of cluster {self.cluster!r} accepted the write")

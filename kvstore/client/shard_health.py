@@ -10,10 +10,12 @@ So a shard that fails a call with a node failure (unreachable, its transport bro
 timed out) is *suspect* for :data:`SUSPECT_S`, as a cluster client's failed node is
 (kvstore/client/members.py): calls fail its keys at once with Unavailable, the other
 shards' keys stand. After that a TCP connect probes it; a shard that refuses stays
-suspect, one that accepts is tried again. A crashed shard therefore costs one failed
-call, a restarting one is used again within a probe of its return, and a hung one
-(whose port still accepts) costs one timeout per :data:`SUSPECT_S` rather than one
-per call. A success clears the shard at once.
+suspect, one that accepts gets one trial call (the other callers keep failing fast
+meanwhile). A crashed shard therefore costs one failed call, a restarting one is used
+again within a probe of its return, and a hung one (whose port still accepts) costs one
+timeout per :data:`SUSPECT_S` rather than one per call. A success clears the shard at
+once. A client's first call to a shard that is down when it is first needed is a
+probe too (kvstore/client/sharded.py), not a connect retried for its whole timeout.
 """
 
 from __future__ import annotations
@@ -61,21 +63,27 @@ class ShardSuspects:
         self._until: dict[int, tuple[float, str]] = {}  # shard -> (skip until, why)
 
     def check(self, shard: int) -> None:
-        """Raise Unavailable while ``shard`` is suspect (see the module docstring)."""
+        """Raise Unavailable while ``shard`` is suspect (see the module docstring). Once
+        its hold is over, one caller probes it and, if it accepts, makes the one trial
+        call; the others keep failing fast for another hold, until a success clears it
+        or a failure holds it again."""
         if shard not in self._until:  # the common case: no lock, no clock
             return
+        now = self.clock()
         with self._lock:
             entry = self._until.get(shard)
-        if entry is None:
-            return
-        until, why = entry
-        now = self.clock()
-        if now >= until:
+            if entry is None:
+                return
+            probe = now >= entry[0]
+            if probe:  # half-open: this caller's probe (and trial) only, per hold
+                entry = self._until[shard] = (now + self.hold_s, entry[1])
+        if probe:
             if self.reachable(self.addresses[shard]):
-                return  # back (or hung: the call will tell)
+                return  # back (or hung: the trial call will tell)
             with self._lock:
-                until = self.clock() + self.hold_s
-                self._until[shard] = (until, why)
+                if self._until.get(shard) is entry:  # no success cleared it meanwhile
+                    entry = self._until[shard] = (self.clock() + self.hold_s, entry[1])
+        until, why = entry
         self.counters.inc("shard_skipped")
         raise Unavailable(
             f"shard {shard} of node {self.group!r} ({self.addresses[shard]}) is down "

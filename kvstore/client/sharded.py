@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -52,7 +53,7 @@ from kvstore.client.parted_layers import PartedLayeredPut
 from kvstore.client.shard_health import ShardSuspects
 from kvstore.client.sharded_control import merge_stats, shard_control
 from kvstore.client.store import NodeClient
-from kvstore.errors import ConfigError, ConflictError, InvalidValue, KVStoreError
+from kvstore.errors import ConfigError, ConflictError, InvalidValue, KVStoreError, Unavailable
 from kvstore.keys import Namespace
 from kvstore.tenants import DEFAULT_TENANT, Principal
 from kvstore.wire.shards import shard_of
@@ -96,6 +97,7 @@ class ShardedClient:
         for c in self.nodes[1:]:  # one client: one set of counters (retries, ...)
             c.counters = first.counters
         self._ready = [True] + [False] * (self.count - 1)
+        self._opening = [threading.Lock() for _ in range(self.count)]
         self.suspects = ShardSuspects(
             self.group, [c.address for c in self.nodes], first.connector.reachable, first.counters
         )
@@ -105,10 +107,25 @@ class ShardedClient:
     # -- shards ---------------------------------------------------------------------------
 
     def node(self, index: int) -> NodeClient:
-        """Shard ``index``'s client, opened (and checked) at first use."""
+        """Shard ``index``'s client, opened (and checked) at first use: by one caller
+        at a time, after a probe, so callers of a shard that is down then fail at once
+        (Unavailable, which makes it suspect) instead of each retrying its connect."""
         if self._ready[index]:
             return self.nodes[index]
-        c = self.nodes[index]
+        with self._opening[index]:
+            if self._ready[index]:
+                return self.nodes[index]
+            self.suspects.check(index)  # found down by the caller before this one
+            c = self.nodes[index]
+            if not self.nodes[0].connector.reachable(c.address):
+                raise Unavailable(
+                    f"shard {index} of node {self.group!r} ({c.address}) does not accept "
+                    "connections"
+                )
+            self._open_shard(index, c)
+            return c
+
+    def _open_shard(self, index: int, c: NodeClient) -> None:
         c.open()
         info = c.server_info
         said = (info.get("group", ""), int(info.get("shard", 0)), int(info.get("shard_count", 0)))
@@ -119,7 +136,6 @@ class ShardedClient:
                 "connect again"
             )
         self._ready[index] = True
-        return c
 
     def split(self, keys: Sequence[bytes]) -> Groups:
         """The shards the caller's ``keys`` live on, each with the positions of its

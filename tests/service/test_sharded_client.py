@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from collections.abc import Iterator
 
@@ -355,6 +356,34 @@ def test_a_stopped_shard_fails_only_its_own_keys(sharded_factory: ShardedFactory
 
         wait_until(put_back, "the restarted shard takes puts again", within=deadline)
         assert c.batch_get(again) == [b"back"] * len(again)
+
+
+def test_a_shard_down_before_its_first_call_fails_at_once(
+    sharded_factory: ShardedFactory,
+) -> None:
+    """A client opens a shard at its first call: when that shard is down then, the
+    callers fail at once (a probe), not one connect timeout after another."""
+    node = sharded_factory()
+    connect = 5.0
+    with node.client(ALPHA, retries=0, timeout_s=2.0, connect_timeout_s=connect) as c:
+        node.stop_shard(1)
+        key = next(k for k in spread(8) if home(k, 2) == 1)
+        errors: list[BaseException] = []
+
+        def get() -> None:
+            try:
+                c.get(key)
+            except KVStoreError as exc:
+                errors.append(exc)
+
+        t0 = time.monotonic()
+        threads = [threading.Thread(target=get) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(4 * connect)
+        assert time.monotonic() - t0 < connect / 2
+        assert len(errors) == 4 and all(isinstance(e, Unavailable) for e in errors)
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])  # shm: lost at the commit; tcp: at a layer

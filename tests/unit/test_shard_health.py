@@ -91,3 +91,55 @@ def test_a_failure_while_suspect_counts_once_and_extends_the_hold() -> None:
     with pytest.raises(Unavailable, match=r"\(b\)"):
         s.check(0)
     assert counters.get("shard_failures") == 1
+
+
+def test_after_the_hold_one_caller_probes_and_tries_the_others_still_fail_fast() -> None:
+    """Half-open: once the hold is over, the first check probes and its call is the
+    trial; checks before that call's outcome fail at once (no probe each); a success
+    clears the shard, and a trial that only hit a request error waits a hold."""
+    s, probe, _ = suspects()
+    s.failed(0, Unavailable("gone"))
+    CLOCK.now += 1.5
+    probe.open = True
+    s.check(0)  # the trial
+    for _ in range(4):
+        with pytest.raises(Unavailable):
+            s.check(0)
+    assert probe.calls == ["h:1"]
+    s.succeeded(0)
+    s.check(0)
+    assert s.suspects() == set() and probe.calls == ["h:1"]
+
+
+def test_a_probe_that_fails_does_not_undo_a_success_meanwhile() -> None:
+    """A's probe is slow and finds the port closed; B's call succeeded while it ran:
+    the shard stays cleared."""
+    import threading
+
+    started, go = threading.Event(), threading.Event()
+
+    def slow_closed(address: str) -> bool:
+        started.set()
+        go.wait(5)
+        return False
+
+    s = ShardSuspects("g", ["h:1"], slow_closed, NodeCounters(), 1.0, clock=CLOCK)
+    s.failed(0, Unavailable("gone"))
+    CLOCK.now += 1.5
+    errors: list[BaseException] = []
+
+    def a() -> None:
+        try:
+            s.check(0)
+        except Unavailable as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=a)
+    t.start()
+    assert started.wait(5)
+    s.succeeded(0)  # B
+    go.set()
+    t.join(5)
+    assert len(errors) == 1  # A's own call was refused by its probe
+    assert s.suspects() == set()
+    s.check(0)  # and everyone else goes on

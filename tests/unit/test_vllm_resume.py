@@ -164,8 +164,68 @@ def test_a_stream_that_cannot_move_ends_in_an_error_event() -> None:
         ("/v1/chat/completions", {"stream": True, "tools": [{}]}, False),
         ("/v1/chat/completions", {"stream": True, "logprobs": True}, False),
         ("/v1/completions", {"stream": True, "prompt": "x", "echo": True}, False),
+        ("/v1/completions", {"stream": True, "prompt": "x", "logprobs": 0}, False),  # asked
+        ("/v1/chat/completions", {"stream": True, "tools": []}, True),  # none asked
+        ("/v1/chat/completions", {"stream": True, "stop": ["</a>"]}, False),  # held back
+        ("/v1/chat/completions", {"stream": True, "stop": []}, True),
+        ("/v1/chat/completions", {"stream": True, "presence_penalty": 0.5}, False),
+        ("/v1/chat/completions", {"stream": True, "frequency_penalty": 0.0}, True),
     ],
 )
 def test_which_requests_can_move(path: str, body: dict[str, Any], ok: bool) -> None:
     assert resumable(path, body) is ok
     assert with_token_ids(body)["return_token_ids"] is True and "return_token_ids" not in body
+
+
+def test_a_continuation_keeps_the_requests_own_limit_when_it_gave_none() -> None:
+    """No max_tokens: a chat may run to the context's end (null), a completion to vLLM's
+    default of 16 in all, never /v1/completions' 16 more. cache_salt goes along."""
+    chat = Answer("/v1/chat/completions", {"stream": True, "model": "m", "cache_salt": "t1"})
+    chat.observe(chat_chunk([10, 11], "ab", prompt=[1, 2]))
+    cont = chat.continuation()
+    assert cont["max_tokens"] is None and cont["cache_salt"] == "t1"
+    done = Answer("/v1/completions", {"stream": True, "model": "m", "prompt": [1, 2]})
+    done.observe({**completion_chunk([10, 11, 12], "abc"), "prompt_token_ids": [1, 2]})
+    assert done.continuation()["max_tokens"] == 13
+
+
+def error_event(message: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": "InternalServerError", "code": 500}}
+
+
+def test_an_error_event_from_the_server_moves_the_stream_and_is_never_dropped() -> None:
+    """vLLM ends a stream whose engine died with an error event and [DONE]: that is a
+    break, before a move and after one; when nothing takes the rest the client gets
+    worker_failed, never a silently short answer."""
+    first = Lines([chat_chunk([], "", prompt=[1]), chat_chunk([10], "a"),
+                   error_event("EngineCore died")], end="done")  # fmt: skip
+    rest = Lines([completion_chunk([11], "b"), error_event("died too")], end="done")
+    pool = Pool(rest)
+    got = relay("/v1/chat/completions", CHAT, first, pool)
+    assert len(pool.asked) == 2 and pool.asked[0][0]["prompt"] == [1, 10]
+    assert pool.asked[1][0]["prompt"] == [1, 10, 11]
+    text = "".join(ch["delta"].get("content", "") for c in got[:-1] for ch in c["choices"])
+    assert text == "ab"
+    assert got[-1]["error"]["code"] == "worker_failed"
+    assert "EngineCore died" not in json.dumps(got[:-1])  # the server's event is not relayed
+
+
+def test_a_stream_with_reasoning_does_not_move() -> None:
+    thinking = chat_chunk([10], "")
+    thinking["choices"][0]["delta"] = {"reasoning_content": "hmm"}
+    first = Lines([chat_chunk([], "", prompt=[1]), thinking], end="cut")
+    pool = Pool(Lines([], end="done"))
+    got = relay("/v1/chat/completions", CHAT, first, pool)
+    assert pool.asked == [] and got[-1]["error"]["code"] == "worker_failed"
+
+
+def test_continuous_usage_stats_go_along_and_the_closing_usage_is_still_sent() -> None:
+    body = {**CHAT, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with_usage = {**chat_chunk([10], "a"), "usage": {"prompt_tokens": 1, "completion_tokens": 1}}
+    first = Lines([chat_chunk([], "", prompt=[1]), with_usage], end="cut")
+    rest = Lines([completion_chunk([11], "b", "stop")], end="cut")  # ends, then breaks
+    pool = Pool(rest)
+    got = relay("/v1/chat/completions", body, first, pool)
+    assert pool.asked[0][0]["stream_options"] == body["stream_options"]
+    assert got[-1] == "[DONE]" and got[-2]["choices"] == []
+    assert got[-2]["usage"] == {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}

@@ -14,6 +14,7 @@ import torch
 
 from engine import blockstore
 from engine.blockstore import GuardedStore, NodeStore
+from engine.vllm.page_order import SPLITS
 from engine.vllm.paged import PagedKV, PageLayout, known_layouts, probe_page_layout
 from engine.vllm.store import ConnectorConfig, ConnectorStats
 from kvstore import Namespace, StoreNode, prefix_keys
@@ -262,18 +263,41 @@ def reference_writer(kind: str) -> Any:
     return write
 
 
+def flash_writer(key: Any, value: Any, key_cache: Any, value_cache: Any, slots: Any) -> None:
+    """vLLM's GPU reshape_and_cache_flash, from its documented formula: token ``i`` goes
+    to ``cache[page, offset]`` of caches ``[pages, B, H, D]`` (whatever their strides)."""
+    B = key_cache.shape[1]
+    for i, slot in enumerate(slots.tolist()):
+        page, t = divmod(slot, B)
+        key_cache[page, t] = key[i]
+        value_cache[page, t] = value[i]
+
+
+def layer_tensor(num_pages: int, H: int, B: int, D: int, dtype: Any, strided: bool) -> Any:
+    """A zeroed ``[pages, H, B, 2D]`` layer tensor; ``strided``: a view of memory kept
+    ``[pages, B, H, 2D]`` (vLLM's LBNHC layout), as vLLM hands some GPU backends'."""
+    if strided:
+        return torch.zeros(num_pages, B, H, 2 * D, dtype=dtype).transpose(1, 2)
+    return torch.zeros(num_pages, H, B, 2 * D, dtype=dtype)
+
+
 def kernel_pages(
-    write: Any, blocks: torch.Tensor, num_pages: int, page_ids: list[int]
+    write: Any,
+    blocks: torch.Tensor,
+    num_pages: int,
+    page_ids: list[int],
+    split: str = "regions",
+    strided: bool = False,
 ) -> list[torch.Tensor]:
-    """vLLM CPU-backend tensors holding canonical ``blocks`` at ``page_ids``, written the
-    way the backend writes them: tokens ``[T, H, D]`` through ``write`` into the key and
-    value views of ``[pages, H, B, 2D]``."""
+    """vLLM tensors holding canonical ``blocks`` at ``page_ids``, written the way the
+    backend writes them: tokens ``[T, H, D]`` through ``write`` into the key and value
+    caches its ``split`` makes of ``[pages, H, B, 2D]``."""
     n, L, _, H, B, D = blocks.shape
     slots = torch.cat([torch.arange(p * B, (p + 1) * B) for p in page_ids])
     layers = []
     for li in range(L):
-        kv = torch.zeros(num_pages, H, B, 2 * D, dtype=blocks.dtype)
-        key_cache, value_cache = kv.view(num_pages, H, 2 * B, D).chunk(2, dim=2)
+        kv = layer_tensor(num_pages, H, B, D, blocks.dtype, strided)
+        key_cache, value_cache = SPLITS[split](kv, D)
         k = blocks[:, li, 0].permute(0, 2, 1, 3).reshape(n * B, H, D).contiguous()
         v = blocks[:, li, 1].permute(0, 2, 1, 3).reshape(n * B, H, D).contiguous()
         write(k, v, key_cache, value_cache, slots)
@@ -281,21 +305,33 @@ def kernel_pages(
     return layers
 
 
-def check_round_trip(write: Any, layout: KVLayout, dtype: torch.dtype) -> PageLayout:
+def check_round_trip(
+    write: Any,
+    layout: KVLayout,
+    dtype: torch.dtype,
+    split: str = "regions",
+    strided: bool = False,
+) -> PageLayout:
     """Probe ``write``'s order, then gather what it wrote and scatter it back."""
-    page = probe_page_layout(write, dtype, layout)
+    page = probe_page_layout(write, dtype, layout, split=split)
     blocks = torch.randn(4, *layout.block_shape()).to(dtype)
     page_ids = [5, 6, 0, 3]  # a run of consecutive pages and single ones
-    layers = kernel_pages(write, blocks, 8, page_ids)
+    layers = kernel_pages(write, blocks, 8, page_ids, split, strided)
     paged = PagedKV(layers, layout, page)
     assert torch.equal(paged.gather(page_ids), blocks)
     assert torch.equal(paged.gather([3]), blocks[3:])
     for li in range(layout.layers):  # the layer-wise saver's gather, each layer alone
         assert torch.equal(paged.gather_layer(page_ids, li), blocks[:, li : li + 1])
-    empty = [torch.zeros_like(t) for t in layers]
+    assert torch.equal(paged.gather(page_ids, on_device=True), blocks)
+    H, B, D = layout.kv_heads, layout.block_tokens or 0, layout.head_dim
+
+    def fresh() -> list[torch.Tensor]:
+        return [layer_tensor(8, H, B, D, dtype, strided) for _ in layers]
+
+    empty = fresh()
     PagedKV(empty, layout, page).scatter(blocks, page_ids)
     assert all(torch.equal(a, b) for a, b in zip(empty, layers, strict=True))
-    by_layer = [torch.zeros_like(t) for t in layers]  # the layer-wise loader's writes
+    by_layer = fresh()  # the layer-wise loader's writes
     for li in reversed(range(layout.layers)):
         PagedKV(by_layer, layout, page).scatter(blocks[:, li : li + 1], page_ids, first_layer=li)
     assert all(torch.equal(a, b) for a, b in zip(by_layer, layers, strict=True))
@@ -311,6 +347,36 @@ def test_paged_copies_follow_each_kernel_order(kind: str, path: str, dtype: torc
     page = check_round_trip(reference_writer(kind), layout, dtype)
     assert page.name == path
     assert page.structured == (path != "probed")
+
+
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_backends_token_order_comes_back_canonical(strided: bool, dtype: torch.dtype) -> None:
+    """vLLM's GPU backends keep each token's key then value in a page (and may hand the
+    tensors over as strided views): probed as the "flash" order, moved by its index,
+    the same code a CUDA engine runs, here on host tensors."""
+    name = str(dtype).removeprefix("torch.")
+    layout = KVLayout.parse(f"{name}:L2:H2:D32:B16:R0")
+    page = check_round_trip(flash_writer, layout, dtype, "tokens", strided)
+    assert (page.name, page.split, page.structured) == ("flash", "tokens", False)
+
+    # A kernel that put keys where values go (or doubled a token) is refused, not mapped.
+    def swapped(key: Any, value: Any, key_cache: Any, value_cache: Any, slots: Any) -> None:
+        flash_writer(value, key, key_cache, value_cache, slots)
+
+    def doubled(key: Any, value: Any, key_cache: Any, value_cache: Any, slots: Any) -> None:
+        flash_writer(key, value, key_cache, value_cache, slots.clamp(max=1))
+
+    for bad in (swapped, doubled):
+        with pytest.raises(ConfigError, match="cannot map"):
+            probe_page_layout(bad, dtype, layout, split="tokens")
+
+
+def test_a_strided_tensor_is_refused_where_the_structured_copy_needs_views() -> None:
+    layout = KVLayout.parse("float32:L1:H2:D8:B4:R0")
+    vec = known_layouts(4, 8, 4)[0]
+    with pytest.raises(ConfigError, match="contiguous"):
+        PagedKV([layer_tensor(4, 2, 4, 8, torch.float32, True)], layout, vec)
 
 
 def test_probe_refuses_an_order_it_cannot_map() -> None:
