@@ -64,6 +64,8 @@ class FanOut:
 
     def run(self, calls: Sequence[Callable[[], T]]) -> list[T | KVStoreError]:
         """Each call's result or KVStoreError, in order (see the module docstring)."""
+        if not calls:
+            return []
         if len(calls) == 1:
             return [_outcome(calls[0])]
         pool, stream = self._executor(), caller_stream()  # the pool copies after the caller
