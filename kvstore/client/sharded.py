@@ -115,7 +115,8 @@ class ShardedClient:
         with self._opening[index]:
             if self._ready[index]:
                 return self.nodes[index]
-            self.suspects.check(index)  # found down by the caller before this one
+            # Each opener probes for itself (a refused connect is immediate): a check
+            # of the suspects here would refuse the very trial call that check allowed.
             c = self.nodes[index]
             if not self.nodes[0].connector.reachable(c.address):
                 raise Unavailable(

@@ -385,6 +385,17 @@ def test_a_shard_down_before_its_first_call_fails_at_once(
         assert time.monotonic() - t0 < connect / 2
         assert len(errors) == 4 and all(isinstance(e, Unavailable) for e in errors)
 
+        node.start_shard(1)  # and once it is back, the client opens it
+
+        def put() -> bool:
+            try:
+                return c.put(key, b"back") in (True, False)
+            except Unavailable:
+                return False
+
+        wait_until(put, "the shard that was down at first use is opened", within=connect)
+        assert c.get(key) == b"back"
+
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])  # shm: lost at the commit; tcp: at a layer
 def test_a_layered_put_keeps_the_shards_that_live(
