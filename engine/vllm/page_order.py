@@ -177,11 +177,12 @@ def probe_page_layout(
     cells = SPLITS[split](torch.arange(2 * n).view(1, 1, B, 2 * D), D)
     at = [c.reshape(-1) for c in cells]
     index = torch.empty(2 * n, dtype=torch.int64)
+    blank = (1 << (8 * itemsize)) - 1  # all ones: no offset's pattern
     # Keys and values are probed one at a time, so a kernel that swapped the two (or
     # wrote one into both) is caught rather than mapped.
-    for kv_half, page in enumerate(_probe_pages(write, dtype, int_type, split, B, D, device)):
+    pages = _probe_pages(write, dtype, int_type, blank, split, B, D, device)
+    for kv_half, page in enumerate(pages):
         found, order = torch.sort(page[at[kv_half]])
-        blank = (1 << (8 * itemsize)) - 1
         if not torch.equal(found, torch.arange(n)) or bool((page[at[1 - kv_half]] != blank).any()):
             raise ConfigError(
                 "vLLM's attention kernel stored a probe page in an order the KV connector "
@@ -189,9 +190,8 @@ def probe_page_layout(
                 "refusing to store its pages"
             )
         index[kv_half * n : (kv_half + 1) * n] = at[kv_half][order]
-    known = [k for k in known_layouts(B, D, itemsize) if k.split == split]
-    for k in known:
-        if torch.equal(k.index, index):
+    for k in known_layouts(B, D, itemsize):
+        if k.split == split and torch.equal(k.index, index):
             return k
     return PageLayout("probed", index, split=split)
 
@@ -200,23 +200,23 @@ def _probe_pages(
     write: PageWriter,
     dtype: torch.dtype,
     int_type: torch.dtype,
+    blank: int,
     split: str,
     B: int,
     D: int,
     device: torch.device | str,
 ) -> list[torch.Tensor]:
     """The page (its 2 * B * D elements' bit patterns) after writing offsets as keys
-    and blanks as values, then the other way round."""
-    bits = (1 << (8 * torch.empty((), dtype=dtype).element_size())) - 1
+    and blanks (``blank``, every bit set) as values, then the other way round."""
     # Two's-complement wrap keeps each offset's low bits: the bit pattern is the offset.
     offsets = torch.arange(B * D, dtype=torch.int64).view(B, 1, D).to(torch.int32).to(int_type)
-    blank = torch.full_like(offsets, -1)  # all ones: no offset's pattern
+    nothing = torch.full_like(offsets, -1)  # all ones: the blank pattern
     slots = torch.arange(B, dtype=torch.long, device=device)
     pages = []
-    for key, value in ((offsets, blank), (blank, offsets)):
+    for key, value in ((offsets, nothing), (nothing, offsets)):
         kv = torch.full((1, 1, B, 2 * D), -1, dtype=int_type, device=device)
         key_cache, value_cache = SPLITS[split](kv.view(dtype), D)
         k, v = (x.view(dtype).clone().to(device) for x in (key, value))
         write(k, v, key_cache, value_cache, slots)
-        pages.append(kv.reshape(-1).cpu().to(torch.int64) & bits)
+        pages.append(kv.reshape(-1).cpu().to(torch.int64) & blank)
     return pages

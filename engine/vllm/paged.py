@@ -63,7 +63,7 @@ class PagedKV:
         self.device = layers[0].device
         if any(t.device != self.device for t in layers):
             raise ConfigError("vLLM's KV tensors are on more than one device")
-        self._pinned = self.device.type == "cuda"  # host staging that DMA reaches
+        self._gpu = self.device.type == "cuda"  # host staging pinned, so DMA reaches it
         self._layers = list(layers)  # [blocks, H, B, 2D], any strides
         # On the structured path, per layer: whole pages [blocks, H, 2, B*D], and each
         # region seen in its stored shape [blocks, H, *stored].
@@ -87,7 +87,7 @@ class PagedKV:
 
     def _on_host(self, shape: tuple[int, ...]) -> torch.Tensor:
         # zeros (unlike empty) writes every page: first touch happens here, once.
-        return torch.zeros(shape, dtype=self.dtype, pin_memory=self._pinned)
+        return torch.zeros(shape, dtype=self.dtype, pin_memory=self._gpu)
 
     def _on_device(self, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -108,7 +108,7 @@ class PagedKV:
     def canon(self, n: int) -> torch.Tensor:
         """A buffer of ``n`` canonical blocks on the pages' device (the staging buffer
         when that is the host): where a codec decodes before a scatter."""
-        if not self._pinned:
+        if not self._gpu:
             return self.staging(n)
         if self._canon.shape[0] < n:
             self._canon = self._on_device((n, *self.block_shape))
@@ -175,7 +175,7 @@ class PagedKV:
     def fence(self) -> Callable[[], None]:
         """A wait for the work queued so far on the calling thread's stream (a GPU's
         copies of a gather); nothing to wait for on CPU."""
-        if self.device.type != "cuda":
+        if not self._gpu:
             return _nothing
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))

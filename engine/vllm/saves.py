@@ -43,10 +43,6 @@ __all__ = ["StepSave"]
 log = logging.getLogger("vllm.kvstore")
 
 
-def _now() -> None:
-    """Nothing to wait for: the layer is in the host buffer already."""
-
-
 class StepSave:
     """The saves of one step: ``layer(l)`` as each layer is computed, ``finish`` after
     the forward."""
@@ -91,14 +87,17 @@ class StepSave:
         out = self._buf[layer : layer + 1].transpose(0, 1)  # [n, 1, ...] of the layer's run
         self._paged.gather_layer(self._ids, layer, out, blocking=blocking)
 
-    def _send(self, layer: int, gather: bool = False, ready: Callable[[], None] = _now) -> None:
+    def _send(
+        self, layer: int, gather: bool = False, ready: Callable[[], None] | None = None
+    ) -> None:
         if self._dead:
             return
         try:
             if gather:  # the buffers were made under the forward's inference mode
                 with torch.inference_mode():
                     self._gather(layer)
-            ready()  # a GPU's copy of the layer to the host, queued by the forward
+            if ready is not None:  # a GPU's copy of the layer to the host, queued by the forward
+                ready()
             for part, w in self._writers:
                 w.write_stacked(layer, self._buf[layer : layer + 1, part.start : part.stop])
         except Exception as exc:
@@ -142,7 +141,7 @@ class StepSave:
         thread, or by the saver when it has cores of its own (``gather_in_saver``)."""
         while self._next <= min(layer, self._layers - 1):
             li = self._next
-            ready = _now
+            ready = None
             if not self._dead and not self._gather_in_saver:
                 self._gather(li, blocking=False)  # a GPU's copy runs on behind the forward
                 ready = self._paged.fence()

@@ -19,6 +19,7 @@ vLLM to recompute; corrupt blocks are removed from the store.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -80,7 +81,7 @@ def page_layout_for(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
         raise
     except Exception as exc:  # the kernel refused the probe itself
         raise ConfigError(f"probing vLLM's {kernel} page layout failed: {exc}") from exc
-    return PageLayout(f"{kernel}:{page.name}", page.index, page.key, page.value, page.split)
+    return dataclasses.replace(page, name=f"{kernel}:{page.name}")
 
 
 def _cpu_writer(vllm_config: VllmConfig, spec: Any) -> tuple[str, str, str, PageWriter]:
