@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +40,9 @@ class Stream:
 
     ``prompt`` is None when the router never learned the prompt's ids: such a stream
     cannot move. ``current`` is the generation the tokens come from now (its ``finish``
-    is the answer's, and the caller releases and closes it at the end)."""
+    is the answer's, and the caller releases and closes it at the end). ``near``: the
+    worker whose store node holds the prompt's blocks (its prefill worker's, or its
+    decode worker's for a short prompt), so a move prefers a worker beside them."""
 
     model: str
     prompt: list[int] | None
@@ -51,6 +53,7 @@ class Stream:
     sent: list[int] = field(default_factory=list)
     tried: set[str] = field(default_factory=set)
     resumed_on: list[str] = field(default_factory=list)
+    near: WorkerRecord | None = None
 
 
 class Mover:
@@ -58,7 +61,8 @@ class Mover:
 
     ``workers(model)``: the workers the router would place on now; ``release(st)``:
     give back a generation's load accounting; ``failed(worker_id, reason)``: tell the
-    router a worker broke a stream."""
+    router a worker broke a stream; ``nodes()``: the store nodes by name, as placement
+    sees them (which host and zone each is on)."""
 
     def __init__(
         self,
@@ -68,6 +72,7 @@ class Mover:
         release: Callable[[Started], None],
         failed: Callable[[str, str], None],
         max_moves: int = 2,
+        nodes: Callable[[], Mapping[str, Any]] = dict,
     ) -> None:
         self.upstream = upstream
         self.out = out
@@ -75,6 +80,7 @@ class Mover:
         self.release = release
         self.failed = failed
         self.max_moves = max_moves
+        self.nodes = nodes
 
     async def follow(self, s: Stream) -> AsyncIterator[int]:
         """The answer's tokens after its first, across moves; StreamCut when the
@@ -113,7 +119,7 @@ class Mover:
         ids, left = s.prompt + s.sent, s.max_tokens - len(s.sent)
         while True:
             pool = [w for w in self.workers(s.model) if w.can_decode and w.worker_id not in s.tried]
-            w = choose_decode(pool, len(ids) + left, None, self.out)
+            w = choose_decode(pool, len(ids) + left, s.near, self.out, self.nodes())
             if isinstance(w, Refusal):
                 log.warning("stream cut (%s) and no worker to go on: %s", cut, w.reason)
                 raise cut

@@ -31,7 +31,7 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,7 +148,7 @@ class Router:
         self._suspect: dict[str, tuple[float, str]] = {}
         self.mover = Mover(
             self.upstream, self.placer.out, self.workers, self._release, self._broke,
-            cfg.max_stream_moves,
+            cfg.max_stream_moves, self._store_nodes,
         )  # fmt: skip
         pairs = UnpairedLog()
         self.view.add_listener(lambda: pairs.check(self.view.workers().values()))
@@ -248,7 +248,7 @@ class Router:
         self.metrics.prompt_tokens.inc(n_prompt)
         self.metrics.cached_tokens.inc(started.cached_tokens)
         kv = self._where(route, started, ttft)
-        stream = self._stream(req, started, eos)
+        stream = self._stream(req, started, eos, route.prefill or route.decode)
         headers = {
             "x-kvstore-prefill-worker": kv["prefill_worker"],
             "x-kvstore-decode-worker": kv["decode_worker"],
@@ -275,7 +275,7 @@ class Router:
             if not workers:
                 break
             _check_context(req, prompt, min(w.max_context for w in workers))
-            nodes = self.store_client.nodes() if self.store_client is not None else {}
+            nodes = self._store_nodes()
             placed = self.placer.place(
                 workers, prompt.ids, req.max_tokens, frozenset(exclude), nodes,
                 n_tokens=prompt.n_tokens,
@@ -400,12 +400,17 @@ class Router:
             "ttft_ms": round(ttft * 1e3, 3),
         }
 
-    def _stream(self, req: GenRequest, st: Started, eos: list[int]) -> Stream:
+    def _stream(self, req: GenRequest, st: Started, eos: list[int], near: WorkerRecord) -> Stream:
+        """The answer's stream; ``near``: the worker whose store has the prompt's blocks."""
         rel = st.info.get("release")
         ids = st.info.get("prompt_ids")
         prompt = [int(t) for t in ids] if isinstance(ids, list) else None
         wid = rel[0] if rel else ""
-        return Stream(req.model, prompt, req.max_tokens, eos, st, wid)
+        return Stream(req.model, prompt, req.max_tokens, eos, st, wid, near=near)
+
+    def _store_nodes(self) -> Mapping[str, Any]:
+        """The store's nodes as the mirror sees them (none before it is open)."""
+        return self.store_client.nodes() if self.store_client is not None else {}
 
     async def _sse(
         self, req: GenRequest, tok: Any, s: Stream, n_prompt: int, kv: dict

@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -371,7 +372,8 @@ class Pools:
                 s.in_flight -= 1
             return Response(content, up.status_code, headers=headers, media_type="application/json")
         if moving and up.status_code == 200:
-            relay = StreamRelay(Answer(path, body), self._reopen, self._ended, self.stats)
+            reopen = functools.partial(self._reopen, near=near)
+            relay = StreamRelay(Answer(path, body), reopen, self._ended, self.stats)
             return StreamingResponse(
                 relay.events(s, up), 200, headers=headers, media_type="text/event-stream"
             )
@@ -419,10 +421,11 @@ class Pools:
         return failed
 
     async def _reopen(
-        self, body: dict[str, Any], tried: set[str]
+        self, body: dict[str, Any], tried: set[str], near: str = ""
     ) -> tuple[_Server, httpx.Response] | None:
-        """A cut stream's continuation on a decode server it has not been on."""
-        order = [s for s in self._least_busy(self.decode) if s.url not in tried]
+        """A cut stream's continuation on a decode server it has not been on, beside
+        store node ``near`` (where the prompt's blocks are) first."""
+        order = [s for s in self._least_busy(self.decode, near) if s.url not in tried]
         opened = await self._open("/v1/completions", body, order) if order else []
         if isinstance(opened, list):
             log.warning("no decode server took a cut stream: %s", "; ".join(opened) or "none left")
@@ -441,8 +444,12 @@ class Pools:
         return s, up
 
     @staticmethod
-    def _ended(s: _Server) -> None:
+    def _ended(s: _Server, broke: bool) -> None:
+        """A relayed stream ended on ``s``; one it broke counts as its failure, as a
+        failed open does, so the least busy order passes it over."""
         s.in_flight -= 1
+        if broke:
+            s.failures += 1
 
     async def models(self, request: Request) -> Response:
         if not self.decode:

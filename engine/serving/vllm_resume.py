@@ -228,14 +228,15 @@ class StreamRelay:
     """Relays one answer, moving it when its stream breaks (module docstring).
 
     ``reopen(body, tried)``: a continuation's stream on a decode server whose URL is
-    not in ``tried`` (None: none took it); ``done(server)``: the router's books for a
-    stream that ended there."""
+    not in ``tried`` (None: none took it); ``done(server, broke)``: the router's books
+    for a stream that ended there, ``broke`` when the server broke it (no [DONE]: cut,
+    or an error event), not when it ended or the client left."""
 
     def __init__(
         self,
         answer: Answer,
         reopen: Callable[[dict[str, Any], set[str]], Awaitable[Opened | None]],
-        done: Callable[[Any], None],
+        done: Callable[[Any, bool], None],
         stats: dict[str, int],
         max_moves: int = 2,
     ) -> None:
@@ -250,7 +251,7 @@ class StreamRelay:
         tried: set[str] = set()
         a, moved = self.answer, 0
         while True:
-            why = "the stream ended before [DONE]"
+            why = ""  # why the server broke the stream (none when it ended, or we left)
             try:
                 async for data in _data(resp):
                     if data == "[DONE]":
@@ -263,11 +264,12 @@ class StreamRelay:
                     out = a.convert(obj) if moved else a.observe(obj)
                     if out is not None:
                         yield _event(out)
+                why = why or "the stream ended before [DONE]"
             except (httpx.HTTPError, ValueError) as exc:
                 why = f"{type(exc).__name__}: {exc}"
             finally:
                 await resp.aclose()
-                self.done(server)
+                self.done(server, bool(why))
             tried.add(server.url)
             if a.finished or a.left() == 0:  # its end was sent, or is all that is left
                 for chunk in a.closing():

@@ -123,7 +123,7 @@ class FaultyTransport(Transport[Any]):
         layers: tuple[int, int] | None = None,
     ) -> list[Any]:
         f = self.plan.inject("read", self.where)
-        if f is None:
+        if f is None or f.after_keys is None:  # none fired, or a stall that has passed
             return self.inner.read(conn, keys, outs, scope, deadline, layers)
         n = min(f.after_keys or 0, len(keys))
         head = outs[:n] if outs is not None else None
@@ -139,7 +139,7 @@ class FaultyTransport(Transport[Any]):
         deadline: float,
     ) -> list[Any]:
         f = self.plan.inject("write", self.where)
-        if f is None:
+        if f is None or f.after_keys is None:
             return self.inner.write(conn, keys, values, scope, deadline)
         n = min(f.after_keys or 0, len(keys))
         done = self.inner.write(conn, keys[:n], values[:n], scope, deadline) if n else []
@@ -155,7 +155,7 @@ class FaultyTransport(Transport[Any]):
         deadline: float,
     ) -> LayerSink:
         f = self.plan.inject("write", self.where)
-        if f is not None:
+        if f is not None and f.after_keys is not None:  # a cut batch: cut at its start
             raise f.error or TransportError("injected fault: connection cut at the write")
         return self.inner.begin_layers(conn, keys, infos, layers, scope, deadline)
 

@@ -21,6 +21,7 @@ write's runs once with every key's result.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -62,15 +63,25 @@ class PartedLayeredPut(LayeredPut):
         info: ValueInfo,
         timeout_s: float,
         groups: Sequence[list[int]],
-        started: Sequence[LayeredPut | KVStoreError],
+        started: Sequence[LayeredPut | Exception],
         fan: FanOut,
     ) -> PartedLayeredPut:
         """The write over the parts' writes as they started (an error where one did
         not; ``groups[i]``: the caller's positions of part ``i``'s keys); raises when
-        none did."""
+        none did. An exception that is not a KVStoreError is a bug's, not a failed
+        part's: the parts that started are aborted (their reservations freed now, not
+        when their leases run out) and it is raised."""
+        bug = next((w for w in started if not isinstance(w, LayeredPut | KVStoreError)), None)
+        if bug is not None:
+            for w in started:
+                if isinstance(w, LayeredPut):
+                    with contextlib.suppress(KVStoreError):  # its lease frees it then
+                        w.abort()
+            raise bug
         if all(isinstance(w, KVStoreError) for w in started):
             raise started[0]  # type: ignore[misc]  # all are errors
-        return cls(keys, info, timeout_s, list(zip(groups, started, strict=True)), fan)
+        parts = [(idx, w) for idx, w in zip(groups, started, strict=True)]
+        return cls(keys, info, timeout_s, parts, fan)  # type: ignore[arg-type]  # no bugs
 
     def _live(self) -> list[tuple[int, list[int], LayeredPut]]:
         return [(n, idx, w) for n, (idx, w) in enumerate(self._parts) if isinstance(w, LayeredPut)]

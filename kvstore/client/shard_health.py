@@ -7,7 +7,9 @@ timeout, while the node's other shards answer in microseconds, and a batch waits
 its slowest shard. For a cache a fast miss beats a slow one.
 
 So a shard that fails a call with a node failure (unreachable, its transport broken,
-timed out) is *suspect* for :data:`SUSPECT_S`, as a cluster client's failed node is
+timed out under the client's own deadline: a caller's shorter ``timeout=`` is its
+hurry, not the shard's fault, see ``ShardedClient._on``) is *suspect* for
+:data:`SUSPECT_S`, as a cluster client's failed node is
 (kvstore/client/members.py): calls fail its keys at once with Unavailable, the other
 shards' keys stand. After that a TCP connect probes it; a shard that refuses stays
 suspect, one that accepts gets one trial call (the other callers keep failing fast

@@ -53,7 +53,14 @@ from kvstore.client.parted_layers import PartedLayeredPut
 from kvstore.client.shard_health import ShardSuspects
 from kvstore.client.sharded_control import merge_stats, shard_control
 from kvstore.client.store import NodeClient
-from kvstore.errors import ConfigError, ConflictError, InvalidValue, KVStoreError, Unavailable
+from kvstore.errors import (
+    ConfigError,
+    ConflictError,
+    InvalidValue,
+    KVStoreError,
+    TimeoutError_,
+    Unavailable,
+)
 from kvstore.keys import Namespace
 from kvstore.tenants import DEFAULT_TENANT, Principal
 from kvstore.wire.shards import shard_of
@@ -154,42 +161,58 @@ class ShardedClient:
             by.setdefault(shard_of(k, n), []).append(i)
         return sorted(by.items())
 
-    def each_group(self, groups: Groups, call: ShardCall[T]) -> list[T | KVStoreError]:
+    def each_group(
+        self, groups: Groups, call: ShardCall[T], timeout: float | None = None
+    ) -> list[T | KVStoreError]:
         """``call(shard's client, positions)`` for each group; a shard that cannot be
-        opened fails as its call would."""
-        return self.fan.run([functools.partial(self._on, s, idx, call) for s, idx in groups])
+        opened fails as its call would. ``timeout``: the caller's, see :meth:`_on`."""
+        calls = [functools.partial(self._on, s, idx, call, timeout) for s, idx in groups]
+        return self.fan.run(calls)
 
-    def each_shard(self, call: Callable[[NodeClient], T]) -> list[T | KVStoreError]:
+    def each_shard(
+        self, call: Callable[[NodeClient], T], timeout: float | None = None
+    ) -> list[T | KVStoreError]:
         """``call(client)`` on every shard, in shard order."""
-        return self.each_group([(s, []) for s in range(self.count)], lambda c, _: call(c))
+        groups: Groups = [(s, []) for s in range(self.count)]
+        return self.each_group(groups, lambda c, _: call(c), timeout)
 
-    def _on(self, shard: int, idx: list[int], call: ShardCall[T]) -> T:
-        """``call`` on one shard, unless it is suspect; a node failure makes it so."""
+    def _on(
+        self, shard: int, idx: list[int], call: ShardCall[T], timeout: float | None = None
+    ) -> T:
+        """``call`` on one shard, unless it is suspect; a node failure makes it so,
+        except a timeout under a deadline the caller set shorter than the client's own:
+        that says the caller is in a hurry, not that the shard is down, and holding the
+        shard for every thread of the client would turn one impatient call into a
+        second of misses for all."""
         self.suspects.check(shard)
         try:
             out = call(self.node(shard), idx)
         except KVStoreError as exc:
-            self.suspects.failed(shard, exc)
+            hurried = timeout is not None and timeout < self.first.config.timeout_s
+            if not (hurried and isinstance(exc, TimeoutError_)):
+                self.suspects.failed(shard, exc)
             raise
         self.suspects.succeeded(shard)
         return out
 
-    def per_key(self, keys: Sequence[bytes], call: ShardCall[list[Any]]) -> list[Any]:
+    def per_key(
+        self, keys: Sequence[bytes], call: ShardCall[list[Any]], timeout: float | None = None
+    ) -> list[Any]:
         """A batch call split by shard, its per-key results in the caller's order."""
         groups = self.split(keys)
         if len(groups) == 1:  # every key on one shard: no thread, no reordering
             s, idx = groups[0]
-            return self._on(s, idx, call)
-        return scatter(len(keys), groups, self.each_group(groups, call))
+            return self._on(s, idx, call, timeout)
+        return scatter(len(keys), groups, self.each_group(groups, call, timeout))
 
     def _keys(self, keys: Sequence[bytes]) -> list[bytes]:
         return self.first._keys(keys)
 
-    def _one(self, key: bytes, call: Callable[[NodeClient, bytes], T]) -> T:
+    def _one(self, key: bytes, call: Callable[[NodeClient, bytes], T], timeout: float | None) -> T:
         """``call(shard's client, key)`` on the shard of a single key."""
         k = self.first._as_keys([key])[0]
         shard = shard_of(self._scope((k,))[0], self.count)
-        return self._on(shard, [], lambda c, _: call(c, k))
+        return self._on(shard, [], lambda c, _: call(c, k), timeout)
 
     # -- data ------------------------------------------------------------------------------
 
@@ -204,7 +227,7 @@ class ShardedClient:
         def call(c: NodeClient, k: bytes) -> list[bool | KVStoreError]:
             return NodeClient.batch_put(c, [k], [value], namespace=namespace, timeout=timeout)
 
-        return bool(one(self._one(key, call)))
+        return bool(one(self._one(key, call, timeout)))
 
     def get(
         self, key: bytes, *, namespace: Namespace | None = None, timeout: float | None = None
@@ -212,7 +235,7 @@ class ShardedClient:
         def call(c: NodeClient, k: bytes) -> list[Any]:
             return NodeClient.batch_get(c, [k], namespace=namespace, timeout=timeout)
 
-        return one(self._one(key, call))
+        return one(self._one(key, call, timeout))
 
     def get_into(
         self,
@@ -228,7 +251,7 @@ class ShardedClient:
                 c, [k], [out], namespace=namespace, timeout=timeout, layers=layers
             )
 
-        return bool(one(self._one(key, call)))
+        return bool(one(self._one(key, call, timeout)))
 
     def batch_put(
         self,
@@ -246,7 +269,7 @@ class ShardedClient:
             sub_k, sub_v = pick(ks, idx), pick(values, idx)
             return NodeClient.batch_put(c, sub_k, sub_v, namespace=namespace, timeout=timeout)
 
-        return self.per_key(ks, call)
+        return self.per_key(ks, call, timeout)
 
     def batch_get(
         self,
@@ -260,7 +283,7 @@ class ShardedClient:
         def call(c: NodeClient, idx: list[int]) -> list[Any]:
             return NodeClient.batch_get(c, pick(ks, idx), namespace=namespace, timeout=timeout)
 
-        return self.per_key(ks, call)
+        return self.per_key(ks, call, timeout)
 
     def batch_get_into(
         self,
@@ -281,7 +304,7 @@ class ShardedClient:
                 c, sub_k, sub_o, namespace=namespace, timeout=timeout, layers=layers
             )
 
-        return self.per_key(ks, call)
+        return self.per_key(ks, call, timeout)
 
     def begin_layers(
         self,
@@ -302,11 +325,19 @@ class ShardedClient:
             kw: dict[str, Any] = {"namespace": namespace, "timeout": timeout}
             return NodeClient.begin_layers(c, sub, shape=shape, dtype=dtype, **kw)
 
+        def kept(c: NodeClient, idx: list[int]) -> LayeredPut | Exception:
+            try:
+                return start(c, idx)
+            except KVStoreError:
+                raise  # that shard's failure: its keys', as in any batch
+            except Exception as exc:  # a bug's: raised once the started parts are aborted
+                return exc
+
         groups = self.split(ks)
         if len(groups) == 1:
-            return self._on(groups[0][0], groups[0][1], start)
+            return self._on(groups[0][0], groups[0][1], start, timeout)
         t = self.first.config.timeout_s if timeout is None else timeout
-        outcomes = self.each_group(groups, start)
+        outcomes = self.each_group(groups, kept, timeout)
         return PartedLayeredPut.start(ks, info, t, [idx for _, idx in groups], outcomes, self.fan)
 
     # -- metadata -----------------------------------------------------------------------
@@ -317,7 +348,7 @@ class ShardedClient:
         def call(c: NodeClient, idx: list[int]) -> list[bool]:
             return NodeClient.exists(c, pick(ks, idx), timeout=timeout)
 
-        return [r is True for r in self.per_key(ks, call)]
+        return [r is True for r in self.per_key(ks, call, timeout)]
 
     def match_prefix(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
         ks = self._keys(keys)
@@ -327,9 +358,9 @@ class ShardedClient:
             return NodeClient.match_prefix(c, pick(ks, idx), timeout=timeout)
 
         if len(groups) == 1:
-            return self._on(groups[0][0], groups[0][1], call)
+            return self._on(groups[0][0], groups[0][1], call, timeout)
 
-        outcomes = self.each_group(groups, call)
+        outcomes = self.each_group(groups, call, timeout)
         errors = [o for o in outcomes if isinstance(o, KVStoreError)]
         if len(errors) == len(outcomes):
             raise errors[0]
@@ -342,20 +373,20 @@ class ShardedClient:
         def call(c: NodeClient, idx: list[int]) -> int:
             return NodeClient.remove(c, pick(ks, idx), timeout=timeout)
 
-        return sum(raise_any(self.each_group(self.split(ks), call)))
+        return sum(raise_any(self.each_group(self.split(ks), call, timeout)))
 
     def stats(self, *, timeout: float | None = None) -> dict[str, Any]:
-        per = raise_any(self.each_shard(lambda c: NodeClient.stats(c, timeout=timeout)))
+        per = raise_any(self.each_shard(lambda c: NodeClient.stats(c, timeout=timeout), timeout))
         return merge_stats(self.group, per)
 
     def health(self, *, timeout: float | None = None) -> str:
-        said = raise_any(self.each_shard(lambda c: NodeClient.health(c, timeout=timeout)))
+        said = raise_any(self.each_shard(lambda c: NodeClient.health(c, timeout=timeout), timeout))
         return "draining" if "draining" in said else said[0]
 
     def set_draining(self, draining: bool = True, *, timeout: float | None = None) -> bool:
         """Every shard; whether the node now drains (any shard does)."""
         call = functools.partial(NodeClient.set_draining, draining=draining, timeout=timeout)
-        return any(raise_any(self.each_shard(call)))
+        return any(raise_any(self.each_shard(call, timeout)))
 
     def wait_prefaulted(self, timeout: float | None = 30.0) -> bool:
         """Every shard this client has opened (the others have mapped nothing)."""

@@ -55,10 +55,15 @@ class Shards(Protocol):
     def split_stored(self, stored: Sequence[bytes]) -> Groups: ...
 
     def each_group(
-        self, groups: Groups, call: Callable[[NodeClient, list[int]], T]
+        self,
+        groups: Groups,
+        call: Callable[[NodeClient, list[int]], T],
+        timeout: float | None = None,
     ) -> list[T | KVStoreError]: ...
 
-    def each_shard(self, call: Callable[[NodeClient], T]) -> list[T | KVStoreError]: ...
+    def each_shard(
+        self, call: Callable[[NodeClient], T], timeout: float | None = None
+    ) -> list[T | KVStoreError]: ...
 
 
 Handler = Callable[[Shards, Any, "float | None"], Any]
@@ -116,7 +121,7 @@ def _by_key(sc: Shards, method: str, request: Any, timeout: float | None) -> Any
     def call(c: NodeClient, idx: list[int]) -> Any:
         return NodeClient.control(c, method, pb.KeysRequest(keys=pick(keys, idx)), timeout=timeout)
 
-    return groups, raise_any(sc.each_group(groups, call))
+    return groups, raise_any(sc.each_group(groups, call, timeout))
 
 
 def _in_key_order(groups: Any, replies: Sequence[Sequence[Any]], n: int) -> list[Any]:
@@ -157,7 +162,7 @@ def _remove(sc: Shards, request: Any, timeout: float | None) -> Any:
 def _every(sc: Shards, method: str, request: Any, timeout: float | None) -> list[Any]:
     """Every shard's reply to the same RPC."""
     return raise_any(
-        sc.each_shard(lambda c: NodeClient.control(c, method, request, timeout=timeout))
+        sc.each_shard(lambda c: NodeClient.control(c, method, request, timeout=timeout), timeout)
     )
 
 
@@ -185,7 +190,7 @@ def _import(sc: Shards, request: Any, timeout: float | None) -> Any:
         sub = pb.PutRequest(scope=request.scope, items=pick(items, idx))
         return NodeClient.control(c, "Import", sub, timeout=timeout)
 
-    replies = raise_any(sc.each_group(groups, call))
+    replies = raise_any(sc.each_group(groups, call, timeout))
     out = pb.PutResponse()
     out.results.extend(_in_key_order(groups, [r.results for r in replies], len(items)))
     return out
@@ -220,7 +225,7 @@ def _evict(sc: Shards, request: Any, timeout: float | None) -> Any:
         return NodeClient.control(c, "Evict", sub, timeout=timeout)
 
     groups = [(s, [s]) for s in range(n)]
-    replies = raise_any(sc.each_group(groups, lambda c, idx: call(c, idx[0])))
+    replies = raise_any(sc.each_group(groups, lambda c, idx: call(c, idx[0]), timeout))
     out = pb.EvictResponse(dry_run=any(r.dry_run for r in replies))
     for f in _EVICT_SUMS:
         setattr(out, f, sum(int(getattr(r, f)) for r in replies))

@@ -26,7 +26,8 @@ from kvstore._proto import store_pb2 as pb
 from kvstore.client.admin import AdminClient
 from kvstore.client.drain import drain_node
 from kvstore.client.sharded import ShardedClient
-from kvstore.errors import ClosedError, ConflictError, KVStoreError, Unavailable
+from kvstore.client.store import NodeClient
+from kvstore.errors import ClosedError, ConflictError, KVStoreError, TimeoutError_, Unavailable
 from kvstore.wire.shards import shard_of
 from tests.support.server_process import (
     ADMIN,
@@ -395,6 +396,63 @@ def test_a_shard_down_before_its_first_call_fails_at_once(
 
         wait_until(put, "the shard that was down at first use is opened", within=connect)
         assert c.get(key) == b"back"
+
+
+def test_a_callers_short_timeout_leaves_the_shard_in_use(
+    sharded_factory: ShardedFactory,
+) -> None:
+    """A call that times out under a deadline its caller set shorter than the client's
+    own says the caller is in a hurry, not that the shard is down: the client's other
+    calls go on using the shard. A timeout under the client's own deadline holds it."""
+    node = sharded_factory()
+    key = next(k for k in spread(8) if home(k, 2) == 1)
+    stall = "read:delay=0.6:times=1"
+    with node.client(ALPHA, retries=0, timeout_s=5.0, faults=stall) as c:
+        assert c.put(key, b"v")
+        with pytest.raises(TimeoutError_):
+            c.get(key, timeout=0.2)
+        assert c.get(key) == b"v"
+        assert c.counters.get("shard_failures") == 0
+    with node.client(ALPHA, retries=0, timeout_s=0.2, faults=stall) as c:
+        with pytest.raises(TimeoutError_):
+            c.get(key)
+        assert c.counters.get("shard_failures") == 1
+
+
+def test_a_bug_at_one_shards_start_frees_the_others_reservations(
+    sharded_factory: ShardedFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A layered put whose start on one shard raises something that is not a
+    KVStoreError (a bug's) raises it, after aborting the parts that did start: their
+    reservations are freed at once, not when their leases run out."""
+    node = sharded_factory()
+    keys = spread(8)
+    on_both(keys)
+
+    def used(shard: int) -> int:
+        tiers = node.server(shard).node.stats()["tiers"]
+        return sum(int(t["used"]) for t in tiers.values())
+
+    before = used(0)
+    real = NodeClient.begin_layers
+    bad = node.ports[1][0]
+
+    def begin(c: NodeClient, *args: object, **kw: object) -> object:
+        if c.address.endswith(f":{bad}"):
+            raise RuntimeError("a bug (injected)")
+        return real(c, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(NodeClient, "begin_layers", begin)
+    with node.client(ALPHA) as c:
+        with pytest.raises(RuntimeError, match="injected"):
+            c.begin_layers(keys, shape=SHAPE, dtype=np.float16)
+        assert used(0) == before
+        monkeypatch.setattr(NodeClient, "begin_layers", real)
+        block = np.ones(SHAPE, np.float16)
+        with c.begin_layers(keys, shape=SHAPE, dtype=np.float16) as w:
+            for layer in range(SHAPE[0]):
+                w.write(layer, [block[layer : layer + 1]] * 8)
+            assert w.commit() == [True] * 8
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])  # shm: lost at the commit; tcp: at a layer

@@ -50,11 +50,22 @@ def chat_ids(messages: list[dict[str, str]]) -> list[int]:
 def plain_engine(ids: list[int], n: int, dtype: torch.dtype = torch.float32) -> str:
     """What a plain transformers engine answers: one greedy generate() on the same
     weights (the tiny model, seed 0), decoded with the same tokenizer."""
+    return plain_greedy(ids, n, dtype)[0]
+
+
+def plain_greedy(ids: list[int], n: int, dtype: torch.dtype = torch.float32) -> tuple[str, float]:
+    """:func:`plain_engine`'s answer and the smallest gap between the two best logits
+    over its greedy choices. An engine that computes some of the answer's KV another
+    way (a moved stream recomputes its tail in one pass) rounds differently; with every
+    gap far above that rounding, any correct engine picks the same tokens."""
     tok = load_tokenizer("tiny")
     model: Any = tiny_llama(dtype)
     with torch.inference_mode():
         out = model.generate(
             torch.tensor([ids]), max_new_tokens=n, do_sample=False,
             eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
+            output_scores=True, return_dict_in_generate=True,
         )  # fmt: skip
-    return str(tok.decode(out[0, len(ids) :].tolist(), skip_special_tokens=True))
+    best = torch.stack(out.scores)[:, 0].float().topk(2, dim=-1).values
+    gap = float((best[:, 0] - best[:, 1]).min())
+    return str(tok.decode(out.sequences[0, len(ids) :].tolist(), skip_special_tokens=True)), gap

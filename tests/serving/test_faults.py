@@ -15,7 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.serving.conftest import chat_ids, plain_engine, words
+from tests.serving.conftest import chat_ids, plain_engine, plain_greedy, words
 from tests.serving.procs import ServingCluster
 from tests.support.etcd_fixtures import EtcdProcess
 
@@ -140,9 +140,10 @@ def test_decode_worker_killed_mid_stream_goes_on_on_another(serving: ServingClus
     assert kv["resumed_on"] == [{"d0": "d1", "d1": "d0"}[victim]]
     if finish == "length":
         assert usage.completion_tokens == n  # nothing lost, nothing repeated
-    full = plain_engine(chat_ids(msgs), n)
-    assert full.startswith(before)  # what the first worker sent was its own
-    assert after  # and the rest came from the other
+    full, gap = plain_greedy(chat_ids(msgs), n)
+    assert gap > 1e-3, "the reference answer has a near tie: float rounding may pick either"
+    assert after  # the rest came from the other worker
+    assert before + after == full  # nothing lost, repeated or changed across the move
 
 
 def test_store_node_down_is_a_miss_and_a_recompute(serving: ServingCluster) -> None:

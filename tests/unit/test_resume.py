@@ -20,9 +20,11 @@ NS = {"model": "tiny", "layout": "float32:L2:H2:D8:B16"}
 EOS = [99]
 
 
-def worker(wid: str, role: str = "decode") -> WorkerRecord:
+def worker(wid: str, role: str = "decode", store_node: str = "") -> WorkerRecord:
     load = WorkerLoad(free_kv_tokens=4096, kv_capacity_tokens=8192)
-    return WorkerRecord(wid, role, "tiny", f"http://127.0.0.1/{wid}", NS, load=load)
+    url = f"http://127.0.0.1/{wid}"
+    host = f"host-{store_node or wid}"  # a host of its own (the default: this machine's)
+    return WorkerRecord(wid, role, "tiny", url, NS, load=load, store_node=store_node, host_id=host)
 
 
 class Lines:
@@ -147,3 +149,19 @@ def test_no_move_without_the_prompt_or_another_decode_worker() -> None:
     assert isinstance(err, StreamCut)
     _, err = Harness([worker("d0"), worker("p0", "prefill")], Workers({})).run(stream([], "cut"))
     assert isinstance(err, StreamCut)
+
+
+def test_a_move_prefers_a_worker_beside_the_prompts_blocks() -> None:
+    """The rest loads the prompt's blocks: among equally busy workers, the one on the
+    store node that holds them (the prefill worker's) takes it."""
+    pool = [worker("d0", store_node="n0"), worker("d1", store_node="n1")]
+    pool += [worker("d2", store_node="n2")]
+    workers = Workers({w: (11, [], "done") for w in ("d1", "d2")})
+    s = stream([], "cut", max_tokens=2)
+    s.near = worker("p0", "prefill", store_node="n2")
+    got, err = Harness(pool, workers).run(s)
+    assert err is None and got == [11] and s.resumed_on == ["d2"]
+    s = stream([], "cut", max_tokens=2)
+    s.near = worker("p0", "prefill", store_node="n1")
+    got, err = Harness(pool, workers).run(s)
+    assert err is None and s.resumed_on == ["d1"]

@@ -66,6 +66,7 @@ class Pool:
         self.continuations = list(continuations)
         self.asked: list[tuple[dict[str, Any], set[str]]] = []
         self.ended: list[str] = []
+        self.broke: list[str] = []  # the servers that broke their stream
 
     async def reopen(self, body: dict[str, Any], tried: set[str]) -> Any:
         self.asked.append((body, set(tried)))
@@ -73,8 +74,10 @@ class Pool:
             return None
         return Server(f"http://s{len(self.asked)}"), self.continuations.pop(0)
 
-    def done(self, server: Server) -> None:
+    def done(self, server: Server, broke: bool) -> None:
         self.ended.append(server.url)
+        if broke:
+            self.broke.append(server.url)
 
 
 def relay(path: str, body: dict[str, Any], first: Lines, pool: Pool) -> list[Any]:
@@ -115,6 +118,7 @@ def test_a_cut_chat_stream_goes_on_as_a_completion_of_the_ids_so_far() -> None:
                     "return_token_ids": True, "temperature": 0.0, "seed": 3,
                     "stream_options": {"include_usage": True}}  # fmt: skip
     assert tried == {"http://s0"} and pool.ended == ["http://s0", "http://s1"]
+    assert pool.broke == ["http://s0"]  # the one that ended with [DONE] did not break
     assert got[-1] == "[DONE]"
     chunks = got[:-1]
     assert all(c["id"] == "chatcmpl-1" and c["object"] == "chat.completion.chunk" for c in chunks)
@@ -208,6 +212,7 @@ def test_an_error_event_from_the_server_moves_the_stream_and_is_never_dropped() 
     assert text == "ab"
     assert got[-1]["error"]["code"] == "worker_failed"
     assert "EngineCore died" not in json.dumps(got[:-1])  # the server's event is not relayed
+    assert pool.broke == pool.ended == ["http://s0", "http://s1"]  # both count as failures
 
 
 def test_a_stream_with_reasoning_does_not_move() -> None:
@@ -229,3 +234,20 @@ def test_continuous_usage_stats_go_along_and_the_closing_usage_is_still_sent() -
     assert pool.asked[0][0]["stream_options"] == body["stream_options"]
     assert got[-1] == "[DONE]" and got[-2]["choices"] == []
     assert got[-2]["usage"] == {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}
+
+
+def test_a_client_that_leaves_is_not_the_servers_failure() -> None:
+    """A stream the client walked away from ends on its server without counting against
+    it; one that ended with [DONE] does not either."""
+    first = Lines([chat_chunk([], "", prompt=[1]), chat_chunk([10], "a"),
+                   chat_chunk([11], "b")], end="done")  # fmt: skip
+    pool = Pool()
+    r = StreamRelay(Answer("/v1/chat/completions", CHAT), pool.reopen, pool.done, {})
+
+    async def leave() -> None:
+        events = r.events(Server("http://s0"), first)  # type: ignore[arg-type]
+        await events.__anext__()
+        await events.aclose()  # the client left after its first chunk
+
+    asyncio.run(leave())
+    assert first.closed and pool.ended == ["http://s0"] and pool.broke == []

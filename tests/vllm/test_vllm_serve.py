@@ -150,7 +150,10 @@ def test_a_stream_whose_decode_server_dies_goes_on_on_another(stack: dict[str, A
     """SIGKILL of the decode server (its API server and engine) while it streams: the
     router asks the rest of the plain server as a completion of the prompt's and the
     answer's token ids so far, and the client's stream goes on to its end: the tokens
-    before the kill are the plain server's own, none is lost or repeated."""
+    before the kill are the plain server's own, none is lost or repeated, and the rest
+    is the plain server's answer too, up to float rounding: the moved stream may part
+    from it only where the plain server's two best tokens were a near tie (the rest
+    recomputes the answer's tail in one pass, which rounds unlike decoding)."""
     decode, plain = stack["decode"], stack["plain"]
     with _router_over(stack, [decode.url, plain.url], "router-resume") as url:
         via = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
@@ -161,23 +164,25 @@ def test_a_stream_whose_decode_server_dies_goes_on_on_another(stack: dict[str, A
         direct.completions.create(max_tokens=64, extra_body={"ignore_eos": True}, **args)
         per_token_s = (time.monotonic() - start) / 64
         n = int(min(3000, max(256, 5.0 / per_token_s)))  # ~5 s of this machine's decoding
-        want = direct.completions.create(
-            max_tokens=n, extra_body={"ignore_eos": True, "return_token_ids": True}, **args
-        ).choices[0]
+        ids = {"ignore_eos": True, "return_token_ids": True}
+        want = direct.completions.create(max_tokens=n, logprobs=2, extra_body=ids, **args)
         stream = via.completions.with_raw_response.create(
             max_tokens=n, stream=True, stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True}, **args,
+            extra_body=ids, **args,
         )  # fmt: skip
         assert stream.headers["x-kvstore-decode"] == decode.url
         before, after, finish, usage = "", "", None, None
+        got: list[list[int]] = [[], []]  # token ids before the kill, after it
         for ch in stream.parse():
             if ch.usage is not None:
                 usage = ch.usage
             for c in ch.choices:
-                if decode.proc.poll() is None:
-                    before += c.text
-                else:
+                dead = decode.proc.poll() is not None
+                if dead:
                     after += c.text
+                else:
+                    before += c.text
+                got[dead] += (c.model_extra or {}).get("token_ids") or []
                 finish = c.finish_reason or finish
             if before and decode.proc.poll() is None:
                 for pid in decode.pids():
@@ -186,5 +191,22 @@ def test_a_stream_whose_decode_server_dies_goes_on_on_another(stack: dict[str, A
         assert after and finish == "length"
         assert usage is not None and usage.completion_tokens == n
         assert usage.prompt_tokens == len(prompt)
-        assert want.text.startswith(before)  # what the dead server sent was its own
+        plain_answer = want.choices[0]
+        assert plain_answer.text.startswith(before)  # what the dead server sent was its own
+        assert len(got[0]) + len(got[1]) == n
+        parted = _parting(got[0] + got[1], plain_answer)
+        assert parted is None or parted[0] >= len(got[0])
+        assert parted is None or parted[1] < 1e-2, f"parted from the plain answer at {parted}"
         assert httpx.get(url + "/health", timeout=10).json()["stream_resumes"] == 1
+
+
+def _parting(ids: list[int], plain: Any) -> tuple[int, float] | None:
+    """Where ``ids`` first differ from the plain server's answer ``plain`` (a choice
+    asked with ``logprobs=2`` and its token ids), and the gap there between the plain
+    server's two best log-probabilities; None when they never differ."""
+    want = (plain.model_extra or {})["token_ids"]
+    i = next((i for i, (a, b) in enumerate(zip(ids, want, strict=True)) if a != b), None)
+    if i is None:
+        return None
+    best = sorted(plain.logprobs.top_logprobs[i].values(), reverse=True)
+    return i, best[0] - best[1]
