@@ -26,6 +26,7 @@ import argparse
 import hashlib
 import json
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,6 +45,7 @@ PREFIX_BLOCKS = 480
 BLOCK_SHAPE = (16, 2, 8, 16, 64)  # [layers, 2, kv_heads, block_tokens, head_dim]: 512 KiB
 PUT_SIZES = (1 * MiB, 4 * MiB, 16 * MiB)
 PUT_BYTES = 128 * MiB  # moved per put measurement
+Rows = list[dict[str, Any]]
 
 
 DEVICE = "cuda"  # --device cpu: the same code on CPU tensors, a smoke run with no GPU
@@ -189,11 +191,10 @@ def ttft_row(address: str, runs: int) -> dict[str, Any]:
     return row
 
 
-def node_rows(runs: int) -> list[dict[str, Any]]:
-    """Node-level HBM and DRAM copies against device copies (benchmarks/gpu_node.py)."""
-    smoke = DEVICE == "cpu"
-    found = gpu_node.hbm_rows(repeats=runs, smoke_cpu=smoke)
-    found += gpu_node.dram_rows(repeats=runs, smoke_cpu=smoke)
+def node_rows(runs: int, measure: Callable[..., list[Any]]) -> list[dict[str, Any]]:
+    """Node-level copies against device copies: ``measure`` is benchmarks/gpu_node.py's
+    ``hbm_rows`` or ``dram_rows`` (one group each, so one failing keeps the other)."""
+    found = measure(repeats=runs, smoke_cpu=DEVICE == "cpu")
     rows = []
     for r in found:
         what = f"node {r.measure}, {r.block_mib:g} MiB" + (f" ({r.note})" if r.note else "")
@@ -218,6 +219,39 @@ def report(rows: list[dict[str, Any]], device: str, *, head: bool = True) -> str
             f">= {r['target']} | {'yes' if r['met'] else 'NO'} |"
         )
     return "\n".join(lines)
+
+
+def group(name: str, measure: Callable[[], Rows]) -> Rows:
+    """A group's rows, or one MISSING row naming it when it failed (its traceback on
+    stderr): a wrong byte or a dead server costs that group, not the groups after it."""
+    try:
+        return measure()
+    except Exception:
+        traceback.print_exc()
+        print(f"bench_gpu: the {name} rows failed; going on", file=sys.stderr, flush=True)
+        return [{"measure": f"{name} (failed: see the log)", "missing": True}]
+
+
+def served(
+    dram: str,
+    groups: list[tuple[str, Callable[[str, int], Rows]]],
+    runs: int,
+    done: Callable[[Rows], None],
+) -> None:
+    """``groups`` measured against one ``kvstore serve`` of ``dram``, each on its own
+    (:func:`group`); those left unmeasured because the server did not start are
+    MISSING rows."""
+    left = list(groups)
+    try:
+        with kvstore_server(dram) as facts:
+            address = f"127.0.0.1:{facts['port']}"
+            while left:
+                name, measure = left.pop(0)
+                done(group(name, lambda: measure(address, runs)))  # noqa: B023 (called now)
+    except Exception:
+        traceback.print_exc()
+    for name, _ in left:
+        done([{"measure": f"{name} (no server: see the log)", "missing": True}])
 
 
 def main() -> int:
@@ -247,13 +281,12 @@ def main() -> int:
             with args.out.open("a") as fh:
                 fh.write(report(new, device, head=len(rows) == len(new)) + "\n")
 
-    with kvstore_server("2GiB") as facts:
-        address = f"127.0.0.1:{facts['port']}"
-        done(prefix_rows(address, args.runs))
-        done(put_rows(address, args.runs))
-    with kvstore_server("1GiB") as facts:  # a fresh node: the prefix is all it holds
-        done([ttft_row(f"127.0.0.1:{facts['port']}", args.runs)])
-    done(node_rows(args.runs))
+    runs = args.runs
+    served("2GiB", [("prefix", prefix_rows), ("puts", put_rows)], runs, done)
+    # a fresh node: the prefix is all it holds
+    served("1GiB", [("TTFT", lambda a, r: [ttft_row(a, r)])], runs, done)
+    done(group("node HBM", lambda: node_rows(runs, gpu_node.hbm_rows)))
+    done(group("node DRAM", lambda: node_rows(runs, gpu_node.dram_rows)))
     if args.json:
         print(json.dumps(rows, indent=1), flush=True)
     return 0

@@ -60,13 +60,18 @@ they miss. A codec moves whole blocks (the store has no layer ranges of compress
 bytes): ``layerwise`` and ``layerwise_save`` default to off with one, and asking for
 them is refused at start; so are an unknown codec and a device the codec cannot run on.
 
+An fp8 KV cache (vLLM's ``kv_cache_dtype`` fp8, fp8_e4m3, fp8_e5m2) is stored as its
+fp8 bytes, canonical, under a ``float8_e4m3fn`` (or ``float8_e5m2``) layout; its page
+order is probed by value (engine/vllm/page_order.py). Its scales must be 1 (the
+namespace carries none; ``check_kv_scales``), and a codec on it is refused.
+
 Pools: ``"register": true`` (with ``etcd``, ``cluster``, ``role``, ``url``,
 ``lease_ttl_s``) puts the server in etcd under a lease, with its URL, role, model,
 store node and requests in flight, for ``kvstore vllm-router --etcd`` to follow; the
 scheduler side holds the record (engine/vllm/membership.py).
 
-Not handled: hybrid models (more than one KV cache group), MLA, GPU page layouts
-(refused at start), decode-phase blocks (only prompt blocks are saved). Tensor
+Not handled: hybrid models (more than one KV cache group), MLA, platforms other than
+CPU and CUDA (refused at start), decode-phase blocks (only prompt blocks are saved). Tensor
 parallelism is untested: each rank stores its shard under its own ``R<rank>``, and the
 scheduler matches rank 0's keys (a shard missing on another rank is a load error there).
 """
@@ -84,10 +89,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from engine.blockstore import BlockStore, GuardedStore
 from engine.vllm.membership import Membership
+from engine.vllm.page_order import quantized_dtype
 from engine.vllm.paged import PagedKV
 from engine.vllm.scheduler_side import KVStoreConnectorMetadata, SchedulerSide, require_recompute
 from engine.vllm.store import ConnectorConfig, ConnectorStats, open_client
-from engine.vllm.worker_side import WorkerSide, page_layout_for
+from engine.vllm.worker_side import WorkerSide, check_kv_scales, page_layout_for
 from kvstore.errors import ConfigError
 from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
@@ -128,13 +134,12 @@ def namespace_for(
     head_v = getattr(spec, "head_size_v", spec.head_size)
     if head_v != spec.head_size or getattr(spec, "num_kv_heads", None) is None:
         raise ConfigError("KVStoreConnector needs standard attention (same K and V head size)")
-    cache_dtype = vllm_config.cache_config.cache_dtype
-    if cache_dtype != "auto":
-        raise ConfigError(
-            f"KVStoreConnector stores KV in the model's dtype; kv_cache_dtype={cache_dtype!r} "
-            "(a quantized KV cache) is not supported yet"
-        )
-    dtype = str(spec.dtype).removeprefix("torch.")
+    fp8 = quantized_dtype(vllm_config.cache_config.cache_dtype)
+    if fp8 is not None and codec:
+        raise ConfigError("kv_codec compresses the model's dtype; this KV cache is fp8 already")
+    # An fp8 cache's blocks are its fp8 bytes (at a scale of 1: check_kv_scales), named
+    # so in the layout: never mixed with another dtype's, or the other fp8 format's.
+    dtype = str(fp8 or spec.dtype).removeprefix("torch.")
     layers = len(groups[0].layer_names)
     layout = f"{dtype}:L{layers}:H{spec.num_kv_heads}:D{spec.head_size}:B{spec.block_size}:R{rank}"
     if codec:  # compressed blocks get keys of their own: never mixed with raw ones
@@ -256,6 +261,7 @@ class KVStoreConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Bind vLLM's paged tensors, in the layer order the namespace counts."""
         names = self._kv_cache_config.kv_cache_groups[0].layer_names
+        check_kv_scales(self._vllm_config, names)
         page = page_layout_for(self._vllm_config, self._kv_cache_config)
         self._work().register(kv_caches, names, page)
 

@@ -14,6 +14,11 @@ an order without a structured path); a scatter is the reverse. The cost does not
 on where vLLM put the pages, and the buffers are allocated and touched once: a fresh
 temporary per call is new memory, whose first touch on CPU costs more than the copy.
 
+A quantized cache (vLLM's fp8 ``kv_cache_dtype``) keeps its pages as bytes: blocks
+are the layout's fp8 dtype (what the store is told), and every reordering copy runs on
+byte views of pages and blocks alike, so no copy converts a value (and CPU torch,
+which indexes no fp8 tensor, can run them).
+
 Pages on a GPU: the scratch and the reordering run on the pages' device, and the host
 staging buffers (what the store reads and writes) are pinned, so the one copy per
 gather or scatter between them is a DMA of canonical bytes. A layer gathered on the
@@ -59,11 +64,13 @@ class PagedKV:
         if page.index.numel() != 2 * B * D:
             raise ConfigError(f"page layout {page.name!r} is for another tile size")
         self.num_blocks = layers[0].shape[0]
-        self.dtype = layers[0].dtype
+        self.dtype: torch.dtype = getattr(torch, layout.dtype)  # the blocks' (the store's)
+        self._raw = torch.uint8 if self.dtype in _FP8 else self.dtype  # the copies'
         self.device = layers[0].device
         if any(t.device != self.device for t in layers):
             raise ConfigError("vLLM's KV tensors are on more than one device")
         self._gpu = self.device.type == "cuda"  # host staging pinned, so DMA reaches it
+        layers = [t.view(self._raw) for t in layers]
         self._layers = list(layers)  # [blocks, H, B, 2D], any strides
         # On the structured path, per layer: whole pages [blocks, H, 2, B*D], and each
         # region seen in its stored shape [blocks, H, *stored].
@@ -77,20 +84,20 @@ class PagedKV:
                 for kv in (0, 1)
             ]
         self._index = page.index.to(self.device)
-        self._scatter_scratch = [self._on_device((0,)) for _ in range(2)]
+        self._scatter_scratch = [self._on_device((0,), self._raw) for _ in range(2)]
         self._staging = self._on_host((0, *self.block_shape))
         self._layer_staging = self._on_host((0, 1, *self.block_shape[1:]))
         self._canon = self._on_device((0, *self.block_shape))
-        self._scratch = self._on_device((len(layers), 0, H, 2, B * D))
+        self._scratch = self._on_device((len(layers), 0, H, 2, B * D), self._raw)
         self._save_staging = self._on_host((layout.layers, 0, *self.block_shape[1:]))
-        self._save_scratch = self._on_device((1, 0, H, 2, B * D))
+        self._save_scratch = self._on_device((1, 0, H, 2, B * D), self._raw)
 
     def _on_host(self, shape: tuple[int, ...]) -> torch.Tensor:
         # zeros (unlike empty) writes every page: first touch happens here, once.
         return torch.zeros(shape, dtype=self.dtype, pin_memory=self._gpu)
 
-    def _on_device(self, shape: tuple[int, ...]) -> torch.Tensor:
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+    def _on_device(self, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype or self.dtype, device=self.device)
 
     def reserve(self, n: int) -> None:
         """Allocate and touch the buffers for ``n`` blocks now (at engine start), so the
@@ -102,7 +109,7 @@ class PagedKV:
         if self._staging.shape[0] < n:
             self._staging = self._on_host((n, *self.block_shape))
             L, _, H, two, BD = self._scratch.shape
-            self._scratch = self._on_device((L, n, H, two, BD))
+            self._scratch = self._on_device((L, n, H, two, BD), self._raw)
         return self._staging[:n]
 
     def canon(self, n: int) -> torch.Tensor:
@@ -168,7 +175,7 @@ class PagedKV:
             out = self._on_host((n, 1, *self.block_shape[1:]))
         if self._save_scratch.shape[1] < n:
             H, BD = self._scratch.shape[2], self._scratch.shape[4]
-            self._save_scratch = self._on_device((1, n, H, 2, BD))
+            self._save_scratch = self._on_device((1, n, H, 2, BD), self._raw)
         scratch = self._save_scratch[:, :n]
         return self._gather(block_ids, layer, out, scratch, blocking=blocking)
 
@@ -199,9 +206,9 @@ class PagedKV:
         idx = self._ids(block_ids)
         dst = out if out.device == self.device else torch.empty_like(out, device=self.device)
         if self._pages:
-            self._reorder_structured(idx, first, dst, scratch)
+            self._reorder_structured(idx, first, dst.view(self._raw), scratch)
         else:
-            self._reorder_indexed(idx, first, dst, scratch)
+            self._reorder_indexed(idx, first, dst.view(self._raw), scratch)
         if dst is not out:
             out.copy_(dst, non_blocking=not blocking)  # pinned: a DMA, queued in order
         return out
@@ -251,8 +258,10 @@ class PagedKV:
             )
         if not block_ids:
             return
+        if blocks.dtype != self.dtype:  # a byte view would reinterpret another dtype
+            raise ValueError(f"blocks of {blocks.dtype} for pages of {self.dtype}")
         idx = self._ids(block_ids)
-        src = blocks.to(self.device)
+        src = blocks.to(self.device).view(self._raw)
         if self._pages:
             self._scatter_structured(src, idx, first_layer)
         else:
@@ -281,7 +290,7 @@ class PagedKV:
     def _scatter_indexed(self, src: torch.Tensor, idx: torch.Tensor, first: int) -> None:
         n, L, _, H, B, D = src.shape
         canon = src.permute(1, 0, 3, 2, 4, 5).reshape(L, n, H, 2 * B * D)
-        page = torch.empty((n, H, 2 * B * D), dtype=self.dtype, device=self.device)
+        page = torch.empty((n, H, 2 * B * D), dtype=self._raw, device=self.device)
         for li in range(L):
             # The probe saw every element of a page land once: the index covers the
             # page, so nothing of the old page needs reading.
@@ -298,9 +307,12 @@ class PagedKV:
         if buf.shape[0] < n:
             H = self._pages[0].shape[1]
             shape = (n, H, *order.stored)
-            buf = torch.empty(shape, dtype=self.dtype, device=self.device)
+            buf = torch.empty(shape, dtype=self._raw, device=self.device)
             self._scatter_scratch[kv] = buf
         return buf[:n]
+
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _nothing() -> None:
@@ -310,7 +322,9 @@ def _nothing() -> None:
 def _check_page_tensor(t: torch.Tensor, layout: KVLayout, *, contiguous: bool) -> None:
     """Refuse a KV tensor that is not vLLM's logical page shape for ``layout``."""
     H, B, D = layout.kv_heads, layout.block_tokens, layout.head_dim
-    if str(t.dtype).removeprefix("torch.") != layout.dtype:
+    named = str(t.dtype).removeprefix("torch.")
+    fp8_bytes = t.dtype == torch.uint8 and getattr(torch, layout.dtype) in _FP8
+    if named != layout.dtype and not fp8_bytes:  # vLLM keeps fp8 pages as uint8
         raise ConfigError(f"KV tensor dtype {t.dtype} but the layout says {layout.dtype}")
     if t.dim() != 4 or tuple(t.shape[1:]) != (H, B, 2 * D):
         raise ConfigError(

@@ -30,7 +30,7 @@ from engine.blockstore import GuardedStore
 from engine.vllm.compress import BlockCodec
 from engine.vllm.cpus import pin_this_thread, transfer_cpus
 from engine.vllm.loads import BlockTransfer, StepLoad
-from engine.vllm.page_order import PageWriter
+from engine.vllm.page_order import PageWriter, quantized_dtype
 from engine.vllm.paged import PagedKV, PageLayout, probe_page_layout
 from engine.vllm.saves import StepSave
 from engine.vllm.scheduler_side import KVStoreConnectorMetadata
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["WorkerSide", "cpu_attention_isa", "page_layout_for"]
+__all__ = ["WorkerSide", "check_kv_scales", "cpu_attention_isa", "page_layout_for"]
 
 # vLLM's logger tree: its level (VLLM_LOGGING_LEVEL) and format apply to our lines.
 logger = logging.getLogger("vllm.kvstore")
@@ -55,8 +55,10 @@ def cpu_attention_isa(vllm_config: VllmConfig, spec: Any) -> str:
     ...): it fixes how a page's bytes are arranged, never what the store holds."""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
+    # The backend asks with the model's dtype (a quantized cache's spec says uint8).
+    model_dtype = vllm_config.model_config.dtype
     cache_dtype = vllm_config.cache_config.cache_dtype
-    return str(_get_attn_isa(spec.dtype, spec.block_size, spec.head_size, cache_dtype))
+    return str(_get_attn_isa(model_dtype, spec.block_size, spec.head_size, cache_dtype))
 
 
 def page_layout_for(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> PageLayout:
@@ -69,14 +71,18 @@ def page_layout_for(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
     dtype = str(spec.dtype).removeprefix("torch.")
     layout = KVLayout.parse(f"{dtype}:L1:H1:D{spec.head_size}:B{spec.block_size}")
+    cache = vllm_config.cache_config.cache_dtype
     if current_platform.is_cpu():
         kernel, split, device, write = _cpu_writer(vllm_config, spec)
     elif current_platform.is_cuda():
-        kernel, split, device, write = _cuda_writer()
+        kernel, split, device, write = _cuda_writer(cache)
     else:
         raise ConfigError("KVStoreConnector supports vLLM on CPU and on CUDA GPUs")
+    fp8, source = quantized_dtype(cache), vllm_config.model_config.dtype
     try:
-        page = probe_page_layout(write, spec.dtype, layout, split=split, device=device)
+        page = probe_page_layout(
+            write, spec.dtype, layout, split=split, device=device, fp8=fp8, source=source
+        )
     except ConfigError:
         raise
     except Exception as exc:  # the kernel refused the probe itself
@@ -88,24 +94,49 @@ def _cpu_writer(vllm_config: VllmConfig, spec: Any) -> tuple[str, str, str, Page
     from vllm import _custom_ops as ops
 
     isa = cpu_attention_isa(vllm_config, spec)
+    cache = vllm_config.cache_config.cache_dtype
 
     def write(key: Any, value: Any, key_cache: Any, value_cache: Any, slots: Any) -> None:
-        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+        # A scale of 1, as every engine the connector serves runs (check_kv_scales).
+        ops.cpu_attn_reshape_and_cache(
+            key, value, key_cache, value_cache, slots, isa, 1.0, 1.0, cache
+        )
 
     return isa, "regions", "cpu", write
 
 
-def _cuda_writer() -> tuple[str, str, str, PageWriter]:
+def _cuda_writer(cache: str) -> tuple[str, str, str, PageWriter]:
     import torch
     from vllm import _custom_ops as ops
 
     device = f"cuda:{torch.cuda.current_device()}"
 
     def write(key: Any, value: Any, key_cache: Any, value_cache: Any, slots: Any) -> None:
-        one = torch.ones((), dtype=torch.float32, device=key.device)  # unquantized: unused
-        ops.reshape_and_cache_flash(key, value, key_cache, value_cache, slots, "auto", one, one)
+        one = torch.ones((), dtype=torch.float32, device=key.device)  # fp8's scale: 1
+        ops.reshape_and_cache_flash(key, value, key_cache, value_cache, slots, cache, one, one)
 
     return "cuda", "tokens", device, write
+
+
+def check_kv_scales(vllm_config: VllmConfig, layer_names: list[str]) -> None:
+    """Refuse a quantized KV cache whose scales are not 1: fp8 bytes mean the value
+    times their layer's scale, which the namespace does not carry (the scheduler side
+    names blocks before any weights load), so engines with other scales would read each
+    other's blocks as other values. vLLM's scales are 1 unless the checkpoint gives
+    some or ``calculate_kv_scales`` computes them."""
+    if vllm_config.cache_config.cache_dtype == "auto":
+        return
+    if getattr(vllm_config.cache_config, "calculate_kv_scales", False):
+        raise ConfigError("KVStoreConnector: calculate_kv_scales changes fp8 KV per run")
+    layers = vllm_config.compilation_config.static_forward_context
+    for name in layer_names:
+        layer = layers.get(name)
+        scales = [getattr(layer, a, 1.0) for a in ("_k_scale_float", "_v_scale_float")]
+        if layer is None or scales != [1.0, 1.0]:
+            raise ConfigError(
+                f"KVStoreConnector stores fp8 KV at a scale of 1; layer {name} has "
+                f"k/v scales {scales if layer is not None else 'unknown'}"
+            )
 
 
 def _chunks(n: int, size: int) -> Iterator[slice]:

@@ -110,6 +110,11 @@ class DeviceSlab:
 
     def close(self) -> None:
         self._hasher.close()
+        if self.on_cuda:  # a put's ordered write returns unwaited: it lands before the
+            # allocator may hand the slab's memory to a tensor of another stream
+            import torch
+
+            torch.cuda.synchronize(self.tensor.device)
         del self.tensor
 
 

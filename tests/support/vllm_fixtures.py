@@ -134,6 +134,7 @@ class EngineSpec:
     max_model_len: int = 4096
     block_size: int = BLOCK
     max_batched_tokens: int | None = None  # prefill chunk; None: max_model_len
+    kv_cache_dtype: str = "auto"  # vLLM's: auto (the model's dtype), fp8, fp8_e5m2
     # The CPU attention kernel (vec, vec16, amx, ...); None: the one vLLM picks for this
     # CPU, or KVSTORE_TEST_VLLM_ISA when set (to run the suite on another kernel);
     # OTHER_ISA: a kernel the engines without one do not run, decided in the child from
@@ -397,6 +398,7 @@ def _build_llm(spec: EngineSpec) -> Any:
         max_num_batched_tokens=spec.max_batched_tokens or spec.max_model_len,
         enable_prefix_caching=True,
         kv_transfer_config=kv,
+        kv_cache_dtype=spec.kv_cache_dtype,
         seed=0,
     )
 

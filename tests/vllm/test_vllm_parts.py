@@ -14,7 +14,7 @@ import torch
 
 from engine import blockstore
 from engine.blockstore import GuardedStore, NodeStore
-from engine.vllm.page_order import SPLITS
+from engine.vllm.page_order import SPLITS, quantized_dtype
 from engine.vllm.paged import PagedKV, PageLayout, known_layouts, probe_page_layout
 from engine.vllm.store import ConnectorConfig, ConnectorStats
 from kvstore import Namespace, StoreNode, prefix_keys
@@ -372,6 +372,105 @@ def test_gpu_backends_token_order_comes_back_canonical(strided: bool, dtype: tor
             probe_page_layout(bad, dtype, layout, split="tokens")
 
 
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def quantizing(write: Any, fp8: torch.dtype, scale: float = 1.0) -> Any:
+    """A quantized cache's reshape_and_cache: keys and values stored as ``fp8`` bytes of
+    the value over ``scale``, through ``write``'s order."""
+
+    def q(x: torch.Tensor) -> torch.Tensor:
+        return (x.float() / scale).to(fp8).view(torch.uint8)
+
+    def write_fp8(key: Any, value: Any, key_cache: Any, value_cache: Any, slots: Any) -> None:
+        write(q(key), q(value), key_cache, value_cache, slots)
+
+    return write_fp8
+
+
+def fp8_pages(
+    write: Any, keys: torch.Tensor, num_pages: int, page_ids: list[int], split: str
+) -> list[torch.Tensor]:
+    """uint8 layer tensors ``[pages, H, B, 2D]`` (as vLLM allocates an fp8 cache) after
+    ``write`` stored ``keys`` (model-dtype blocks ``[n, L, 2, H, B, D]``) at
+    ``page_ids``."""
+    n, L, _, H, B, D = keys.shape
+    slots = torch.cat([torch.arange(p * B, (p + 1) * B) for p in page_ids])
+    layers = []
+    for li in range(L):
+        kv = torch.zeros(num_pages, H, B, 2 * D, dtype=torch.uint8)
+        key_cache, value_cache = SPLITS[split](kv, D)
+        k, v = (keys[:, li, i].permute(0, 2, 1, 3).reshape(n * B, H, D) for i in (0, 1))
+        write(k.contiguous(), v.contiguous(), key_cache, value_cache, slots)
+        layers.append(kv)
+    return layers
+
+
+def check_fp8_round_trip(
+    write: Any,
+    fp8: torch.dtype,
+    layout: KVLayout,
+    split: str = "regions",
+    source: torch.dtype = torch.float32,
+    exact: bool = True,
+) -> PageLayout:
+    """Probe a quantized cache's order by value, then: its pages gather into the KV's
+    fp8 bytes in canonical order (``exact``: torch's rounding of each value; else
+    within one fp8 step of it: vLLM's CPU kernel rounds toward zero), and those scatter
+    back into the same pages."""
+    page = probe_page_layout(write, torch.uint8, layout, split=split, fp8=fp8, source=source)
+    kv = (torch.randn(3, *layout.block_shape()) * 2).to(source)
+    page_ids = [4, 0, 2]
+    layers = fp8_pages(write, kv, 6, page_ids, split)
+    paged = PagedKV(layers, layout, page)
+    got = paged.gather(page_ids)
+    assert got.dtype == fp8
+    if exact:
+        assert torch.equal(got.view(torch.uint8), kv.float().to(fp8).view(torch.uint8))
+    else:  # a misplaced element would be another value altogether
+        step, tiny = {torch.float8_e4m3fn: (2**-3, 2**-9), torch.float8_e5m2: (2**-2, 2**-16)}[fp8]
+        assert torch.allclose(got.float(), kv.float(), rtol=step, atol=tiny)
+    for li in range(layout.layers):
+        layer = paged.gather_layer(page_ids, li)
+        assert torch.equal(layer.view(torch.uint8), got[:, li : li + 1].view(torch.uint8))
+    empty = [torch.zeros_like(t) for t in layers]
+    PagedKV(empty, layout, page).scatter(got, page_ids)
+    assert all(torch.equal(a, b) for a, b in zip(empty, layers, strict=True))
+    return page
+
+
+KINDS = [("vec", "regions"), ("amx", "regions"), ("shuffled", "regions"), ("flash", "tokens")]
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize(("kind", "split"), KINDS)
+def test_fp8_pages_are_probed_by_value_and_stored_as_their_bytes(
+    fp8: torch.dtype, kind: str, split: str
+) -> None:
+    """vLLM's fp8 KV cache (``kv_cache_dtype`` fp8, fp8_e5m2): uint8 pages the kernel
+    writes by arithmetic. Their order is learned from values, and the blocks are the
+    fp8 bytes in canonical order, moved as bytes both ways (no conversion)."""
+    name = str(fp8).removeprefix("torch.")
+    layout = KVLayout.parse(f"{name}:L2:H2:D32:B32:R0")
+    inner = flash_writer if kind == "flash" else reference_writer(kind)
+    page = check_fp8_round_trip(quantizing(inner, fp8), fp8, layout, split, torch.float32)
+    assert page.name == {"shuffled": "probed"}.get(kind, kind)
+
+
+def test_a_quantized_probe_refuses_a_kernel_it_cannot_read() -> None:
+    """Bytes at another scale than 1 (or another fp8 format) do not read back as the
+    probe's digits: refused at start, never stored as if they were."""
+    layout = KVLayout.parse("float8_e4m3fn:L1:H1:D32:B32")
+    e4m3 = torch.float8_e4m3fn
+    for bad in (quantizing(reference_writer("vec"), e4m3, scale=2.0),
+                quantizing(reference_writer("vec"), torch.float8_e5m2)):  # fmt: skip
+        with pytest.raises(ConfigError, match="cannot map"):
+            probe_page_layout(bad, torch.uint8, layout, fp8=e4m3)
+    with pytest.raises(ConfigError, match="dtype"):  # uint8 pages for a bf16 layout
+        PagedKV([torch.zeros(4, 1, 32, 64, dtype=torch.uint8)], KVLayout.parse(
+            "bfloat16:L1:H1:D32:B32"), known_layouts(32, 32, 2)[0])  # fmt: skip
+
+
 def test_a_strided_tensor_is_refused_where_the_structured_copy_needs_views() -> None:
     layout = KVLayout.parse("float32:L1:H2:D8:B4:R0")
     vec = known_layouts(4, 8, 4)[0]
@@ -481,6 +580,70 @@ def test_blocks_saved_through_one_kernel_load_through_another(dtype: str) -> Non
             dst_page = probe_page_layout(vllm_writer(dst), torch_dtype, layout)
             PagedKV(got, layout, dst_page).scatter(stored, [4, 1, 2])
             assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), (src, dst)
+
+
+@needs_vllm
+@pytest.mark.process  # vLLM's platform check runs `file` on the interpreter
+@pytest.mark.parametrize("cache", ["fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("source", ["float32", "bfloat16"])
+@pytest.mark.parametrize("geometry", ["H2:D32:B32", "H1:D64:B64"])
+def test_real_fp8_kernel_pages_come_back_canonical(cache: str, source: str, geometry: str) -> None:
+    """vLLM's CPU kernel for an fp8 cache, the ISA it picks here: probed by value, its
+    pages gather into the KV's fp8 bytes (its rounding is torch's), and scatter back."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    dtype = getattr(torch, source)
+    _, head, block = geometry.split(":")
+    try:
+        isa = _get_attn_isa(dtype, int(block[1:]), int(head[1:]), cache)
+    except NotImplementedError as exc:  # fp8 on CPU: x86 with AVX-512 or AMX only
+        pytest.skip(str(exc))
+
+    def write(key: Any, value: Any, key_cache: Any, value_cache: Any, slots: Any) -> None:
+        ops.cpu_attn_reshape_and_cache(
+            key, value, key_cache, value_cache, slots, isa, 1.0, 1.0, cache
+        )
+
+    fp8 = quantized_dtype(cache)
+    assert fp8 is not None
+    layout = KVLayout.parse(f"{str(fp8).removeprefix('torch.')}:L2:{geometry}:R0")
+    page = check_fp8_round_trip(write, fp8, layout, source=dtype, exact=False)
+    assert page.structured, f"{isa} with {cache} took the indexed path"
+
+
+@needs_vllm
+@pytest.mark.process  # importing vLLM's platform runs `file` on the interpreter
+def test_fp8_kv_at_a_scale_other_than_one_is_refused() -> None:
+    """fp8 bytes mean value / scale; the namespace carries no scale, so an engine whose
+    layers have other scales (from its checkpoint, or computed) is refused at start."""
+    from types import SimpleNamespace
+
+    from engine.vllm.worker_side import check_kv_scales
+
+    def config(cache: str, scales: tuple[float, float], calculate: bool = False) -> Any:
+        layer = SimpleNamespace(_k_scale_float=scales[0], _v_scale_float=scales[1])
+        return SimpleNamespace(
+            cache_config=SimpleNamespace(cache_dtype=cache, calculate_kv_scales=calculate),
+            compilation_config=SimpleNamespace(static_forward_context={"l0": layer}),
+        )
+
+    check_kv_scales(config("fp8", (1.0, 1.0)), ["l0"])
+    check_kv_scales(config("auto", (0.5, 1.0)), ["l0"])  # unquantized: scales unused
+    with pytest.raises(ConfigError, match="scale of 1"):
+        check_kv_scales(config("fp8", (1.0, 0.25)), ["l0"])
+    with pytest.raises(ConfigError, match="calculate_kv_scales"):
+        check_kv_scales(config("fp8_e5m2", (1.0, 1.0), calculate=True), ["l0"])
+    with pytest.raises(ConfigError, match="unknown"):
+        check_kv_scales(config("fp8", (1.0, 1.0)), ["l1"])
+
+
+def test_quantized_cache_names() -> None:
+    assert quantized_dtype("auto") is None
+    assert quantized_dtype("fp8") == quantized_dtype("fp8_e4m3") == torch.float8_e4m3fn
+    assert quantized_dtype("fp8_e5m2") == torch.float8_e5m2
+    with pytest.raises(ConfigError, match="fp8_inc"):
+        quantized_dtype("fp8_inc")
 
 
 @pytest.mark.parametrize("layerwise", [True, False])
