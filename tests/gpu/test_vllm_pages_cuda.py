@@ -24,7 +24,14 @@ from engine.vllm.paged import PagedKV
 from engine.vllm.saves import StepSave
 from kvstore import Namespace, StoreNode, prefix_keys
 from kvstore.layout import KVLayout
-from tests.vllm.test_vllm_parts import Clock, flash_writer, kernel_pages, resilient
+from tests.vllm.test_vllm_parts import (
+    Clock,
+    flash_writer,
+    fp8_pages,
+    kernel_pages,
+    quantizing,
+    resilient,
+)
 
 pytestmark = pytest.mark.cuda  # skipped without a CUDA device (tests/conftest.py)
 
@@ -75,6 +82,28 @@ def test_gpu_pages_come_back_canonical(strided: bool) -> None:
     worker.start()
     worker.join()
     assert all(torch.equal(a, b) for a, b in zip(empty, want, strict=True))
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_gpu_pages_come_back_as_their_bytes(fp8: torch.dtype) -> None:
+    """An fp8 cache on the GPU (uint8 pages, strided as vLLM hands them): probed by
+    value on the device, gathered into pinned fp8 blocks (the bytes the kernel wrote,
+    in canonical order) and scattered back, bytes only."""
+    layout = KVLayout.parse(f"{str(fp8).removeprefix('torch.')}:L2:H4:D64:B16:R0")
+    write = quantizing(flash_writer, fp8)
+    page = probe_page_layout(write, torch.uint8, layout, split="tokens", device=CUDA,
+                             fp8=fp8, source=torch.bfloat16)  # fmt: skip
+    assert page.name == "flash"
+    kv = (torch.randn(3, *layout.block_shape()) * 2).to(torch.bfloat16)
+    ids = [4, 0, 2]
+    host = fp8_pages(write, kv, 6, ids, "tokens")
+    pages = _on_gpu(host, strided=True)
+    got = PagedKV(pages, layout, page).gather(ids)
+    assert got.dtype == fp8 and got.is_pinned()
+    assert torch.equal(got.view(torch.uint8), kv.float().to(fp8).view(torch.uint8))
+    empty = _on_gpu([torch.zeros_like(t) for t in host], strided=True)
+    PagedKV(empty, layout, page).scatter(got, ids)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(empty, host, strict=True))
 
 
 def test_a_steps_saves_and_loads_move_gpu_pages_through_a_store() -> None:
