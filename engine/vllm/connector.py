@@ -71,7 +71,8 @@ store node and requests in flight, for ``kvstore vllm-router --etcd`` to follow;
 scheduler side holds the record (engine/vllm/membership.py).
 
 Not handled: hybrid models (more than one KV cache group), MLA, platforms other than
-CPU and CUDA (refused at start), decode-phase blocks (only prompt blocks are saved). Tensor
+CPU and CUDA (refused at start). Blocks of generated tokens are saved only with
+``"save_decode": true`` (engine/vllm/scheduler_side.py). Tensor
 parallelism is untested: each rank stores its shard under its own ``R<rank>``, and the
 scheduler matches rank 0's keys (a shard missing on another rank is a load error there).
 """
@@ -183,8 +184,9 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._members = Membership.join(self.config, vllm_config, self.namespace)
         if role is KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(
-                self.namespace, self.store, self.stats, load_enabled=load, save_enabled=save
-            )
+                self.namespace, self.store, self.stats, load_enabled=load, save_enabled=save,
+                save_decode=self.config.save_decode,
+            )  # fmt: skip
         else:
             self._worker = WorkerSide(
                 self.config, self.namespace, self.store, self.stats,

@@ -7,6 +7,12 @@ those blocks into the pages vLLM allocated; ``build_meta`` hands the step's load
 the full prompt blocks finished in this step (saves) to the worker side
 (engine/vllm/worker_side.py), which moves the bytes. After a failed load the blocks
 vLLM recomputes are planned for saving again.
+
+With ``save_decode`` the blocks of generated tokens are saved too, each once the step
+that computes its last token runs and its token ids are known (an async scheduler
+learns a sampled token a step late: such a block is saved a step later, from the pages
+the running request still holds). Their keys continue the prompt's chain, so they are
+exactly the keys of a later prompt that repeats the answer (a chat's next turn).
 """
 
 from __future__ import annotations
@@ -47,7 +53,8 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
 class _RequestState:
     """Scheduler-side facts about one live request."""
 
-    keys: list[bytes]  # keys of the prompt's full blocks
+    keys: list[bytes]  # keys of the prompt's full blocks (with save_decode, the answer's)
+    request: Request | None = None  # the live request (save_decode: its tokens grow)
     local_tokens: int = 0  # tokens vLLM had locally at the latest lookup
     stored: int = 0  # leading blocks the store held at the latest lookup
     planned: int = 0  # leading blocks stored or already handed to the worker for saving
@@ -65,8 +72,10 @@ class SchedulerSide:
         *,
         load_enabled: bool,
         save_enabled: bool,
+        save_decode: bool = False,
     ) -> None:
         self.namespace = namespace
+        self.save_decode = save_enabled and save_decode
         self.block_size = namespace.kv_layout.block_tokens or 0
         self.store, self.stats = store, stats
         self.load_enabled, self.save_enabled = load_enabled, save_enabled
@@ -87,6 +96,8 @@ class SchedulerSide:
         it never writes (nor even gathers) blocks the store already holds.
         """
         st = self._state(request.request_id, request.prompt_token_ids)
+        if st is not None and self.save_decode:
+            st.request = request
         if st is None or not st.keys:
             return 0
         st.local_tokens = num_computed_tokens
@@ -137,9 +148,14 @@ class SchedulerSide:
         saves = []
         for req_id, n_new in so.num_scheduled_tokens.items():
             st = self._reqs.get(req_id)
-            if st is None or block_state is None or st.planned >= len(st.keys):
+            if st is None or block_state is None:
                 continue
-            done = min(len(st.keys), (before.get(req_id, 0) + n_new) // self.block_size)
+            computed = (before.get(req_id, 0) + n_new) // self.block_size
+            if self.save_decode:
+                self._extend_keys(st, computed)
+            if st.planned >= len(st.keys):
+                continue
+            done = min(len(st.keys), computed)
             page_ids = block_state.get_block_ids(req_id)
             if done <= st.planned or not page_ids:
                 continue
@@ -147,6 +163,22 @@ class SchedulerSide:
             saves.append(BlockTransfer(req_id, st.keys[st.planned : done], ids[st.planned : done]))
             st.planned = done
         return saves
+
+    def _extend_keys(self, st: _RequestState, computed: int) -> None:
+        """Keys for the request's blocks up to ``computed`` whose token ids are known,
+        continuing the chain from its last key (the prompt's, then the answer's)."""
+        if st.request is None or computed <= len(st.keys):
+            return
+        B = self.block_size
+        tokens = st.request.all_token_ids
+        upto = min(computed, len(tokens) // B)
+        if upto <= len(st.keys):
+            return
+        parent = st.keys[-1] if st.keys else None
+        more = prefix_keys(tokens[len(st.keys) * B : upto * B], B, self.namespace, parent=parent)
+        prompt_blocks = st.request.num_prompt_tokens // B
+        self.stats.decode_blocks += upto - max(len(st.keys), prompt_blocks)
+        st.keys.extend(more)
 
     def after_output(self, connector_output: KVConnectorOutput) -> None:
         """After a failed load, plan the save of the recomputed blocks again."""

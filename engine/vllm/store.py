@@ -44,6 +44,10 @@ class ConnectorConfig:
         layerwise_save: save each layer of a step's new blocks as the forward produces
             it, in the background (kvstore's layer-by-layer write), and commit them in
             ``wait_for_save``; False gathers and puts whole blocks in ``wait_for_save``.
+        save_decode: also save the full blocks of generated tokens as they complete
+            (an engine that saves: kv_producer or kv_both), keyed by the chain of the
+            prompt and the answer, so a chat's next turn, whose prompt holds this
+            answer, finds its whole history stored. Off: prompt blocks only.
         transfer_cpus: cores for the load and save threads (engine/vllm/cpus.py):
             ``auto`` runs them off the cores vLLM's OpenMP team is bound to, when it is
             bound to an explicit list; a core list pins them there; ``none`` never.
@@ -77,6 +81,7 @@ class ConnectorConfig:
     max_blocks_per_call: int = 64
     layerwise: bool = True
     layerwise_save: bool = True
+    save_decode: bool = False
     transfer_cpus: str = "auto"
     transport: str = "auto"
     verify: bool = True
@@ -161,6 +166,7 @@ class ConnectorStats:
     layer_wait_us: int = 0  # time the forward waited for a layer to land, in all
     failed_blocks: int = 0  # promised but not loaded (miss, corrupt, store down)
     saved_blocks: int = 0
+    decode_blocks: int = 0  # of the blocks planned for saving, those of generated tokens
     present_blocks: int = 0  # blocks put that the store already held
     layerwise_saves: int = 0  # steps whose saves went layer by layer beside the forward
     withdrawn_blocks: int = 0  # layer-wise saves dropped at the commit (their load failed)

@@ -86,10 +86,15 @@ def engines(root: Path, store: ServerProcess) -> Iterator[dict[str, EngineProces
         # Prefill in 80-token chunks: blocks complete across steps, mid-chunk. Its save
         # thread is pinned to a core (as on a host whose forward leaves it one), so it
         # gathers each layer out of the pages itself, beside the forward.
+        # It saves its answers' blocks too (save_decode), for a chat's next turn.
         "prod32": EngineSpec(
             model,
             role="kv_producer",
-            extra={**extra, "transfer_cpus": str(max(os.sched_getaffinity(0)))},
+            extra={
+                **extra,
+                "transfer_cpus": str(max(os.sched_getaffinity(0))),
+                "save_decode": True,
+            },
             max_batched_tokens=80,
         ),
         # vLLM's default failure policy ("fail"): the connector must switch it. The
@@ -211,6 +216,22 @@ def test_layer_by_layer_and_whole_block_loads_give_the_same_tokens(
     assert after[1]["layerwise_loads"] == 0
     for a, b in zip(after, before, strict=True):
         assert a["loaded_blocks"] - b["loaded_blocks"] == usable_blocks(260)
+
+
+def test_a_chats_next_turn_finds_its_answer_stored(engines: dict[str, EngineProcess]) -> None:
+    """With save_decode the producer saves the full blocks of what it generated too,
+    keyed by the chain of its prompt and answer: a next turn whose prompt repeats the
+    answer loads its whole history, and answers as a plain engine does."""
+    p = prompt(14, 100)
+    before = engines["prod32"].stats()["scheduler"]["decode_blocks"]
+    answer = engines["prod32"].generate([p], 70)[0]["tokens"]
+    computed = len(p) + len(answer) - 1  # the last sampled token's KV is never computed
+    turn = p + answer + prompt(15, 20)
+    out = engines["cons32"].generate([turn], 8)[0]
+    assert out["tokens"] == engines["ref32"].generate([turn], 8)[0]["tokens"]
+    assert out["cached"] == min(computed, len(turn) - 1) // BLOCK * BLOCK > len(p)
+    saved = engines["prod32"].stats()["scheduler"]["decode_blocks"] - before
+    assert saved == computed // BLOCK - len(p) // BLOCK
 
 
 def test_unstored_prompt_is_a_plain_miss(engines: dict[str, EngineProcess]) -> None:
