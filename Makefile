@@ -78,7 +78,7 @@ vllm-env:
 	PY=$(PY) VLLM_VENV=$(VLLM_VENV) bash scripts/vllm_env.sh
 
 test-vllm: vllm-env
-	$(VLLM_VENV)/bin/python -m pytest -q --durations=5 tests/vllm/test_vllm_parts.py tests/vllm/test_vllm_codec_parts.py tests/vllm/test_vllm_pool_parts.py tests/vllm/test_vllm_kv_events.py tests/vllm/test_vllm_serve.py tests/vllm/test_vllm_pools.py tests/vllm/test_vllm_engine.py tests/vllm/test_vllm_fp8.py tests/vllm/test_vllm_codec.py
+	$(VLLM_VENV)/bin/python -m pytest -q --durations=5 tests/vllm/test_vllm_parts.py tests/vllm/test_vllm_codec_parts.py tests/vllm/test_vllm_pool_parts.py tests/vllm/test_vllm_kv_events.py tests/vllm/test_vllm_serve.py tests/vllm/test_vllm_pools.py tests/vllm/test_vllm_engine.py tests/vllm/test_vllm_kv_kinds.py tests/vllm/test_vllm_codec.py
 
 bench-vllm: vllm-env
 	$(VLLM_VENV)/bin/python benchmarks/bench_vllm.py

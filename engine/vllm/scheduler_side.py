@@ -40,6 +40,17 @@ __all__ = ["KVStoreConnectorMetadata", "SchedulerSide", "require_recompute"]
 # vLLM's logger tree: its level (VLLM_LOGGING_LEVEL) and format apply to our lines.
 logger = logging.getLogger("vllm.kvstore")
 
+# vLLM's null block (block_pool.py: "a placeholder block with block_id=0"): what a
+# sliding-window model's request holds for the blocks its window has left. Nothing is
+# loaded into it (it must stay zero) and nothing of it is saved (it is no one's KV).
+NULL_PAGE = 0
+
+
+def _real(keys: Sequence[bytes], page_ids: Sequence[int]) -> tuple[list[bytes], list[int]]:
+    """The (key, page) pairs whose page is a real block, not the null one."""
+    pairs = [(k, p) for k, p in zip(keys, page_ids, strict=True) if p != NULL_PAGE]
+    return [k for k, _ in pairs], [p for _, p in pairs]
+
 
 @dataclass
 class KVStoreConnectorMetadata(KVConnectorMetadata):
@@ -123,10 +134,11 @@ class SchedulerSide:
         page_ids = blocks.get_block_ids()[0]
         first = st.local_tokens // self.block_size
         end = first + num_external_tokens // self.block_size
-        self._pending_loads.append(
-            BlockTransfer(request.request_id, st.keys[first:end], page_ids[first:end])
-        )
-        st.loaded = {page_ids[i]: i for i in range(first, end)}  # pages change on preemption
+        keys, pages = _real(st.keys[first:end], page_ids[first:end])  # a window's past: none
+        if pages:
+            self._pending_loads.append(BlockTransfer(request.request_id, keys, pages))
+        # pages change on preemption
+        st.loaded = {page_ids[i]: i for i in range(first, end) if page_ids[i] != NULL_PAGE}
         self.stats.hit_tokens += num_external_tokens
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
@@ -159,8 +171,9 @@ class SchedulerSide:
             page_ids = block_state.get_block_ids(req_id)
             if done <= st.planned or not page_ids:
                 continue
-            ids = page_ids[0]
-            saves.append(BlockTransfer(req_id, st.keys[st.planned : done], ids[st.planned : done]))
+            keys, pages = _real(st.keys[st.planned : done], page_ids[0][st.planned : done])
+            if pages:
+                saves.append(BlockTransfer(req_id, keys, pages))
             st.planned = done
         return saves
 

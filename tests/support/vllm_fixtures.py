@@ -61,21 +61,40 @@ WIDE = dict(layers=16, heads=8, kv_heads=8, head_dim=128, intermediate=2048, voc
 
 
 def write_tiny_llama(
-    path: Path, *, seed: int = 0, save_dtype: str = "float32", **geometry: int
+    path: Path,
+    *,
+    seed: int = 0,
+    save_dtype: str = "float32",
+    sliding_window: int | None = None,
+    **geometry: int,
 ) -> Path:
-    """A random-weight Llama (``TINY`` unless overridden) and its offline tokenizer.
+    """A random-weight Llama (``TINY`` unless overridden) and its offline tokenizer;
+    with ``sliding_window``, a Mistral of the same geometry whose attention sees that
+    many tokens back.
 
     Head dim 32 is the smallest the CPU attention backend takes. ``initializer_range``
     0.1 keeps greedy output varied and prompt-sensitive, so equal tokens mean equal KV.
     """
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        PreTrainedTokenizerFast,
+    )
 
     if (path / "config.json").exists():
         return path
     g = {**TINY, **geometry}
-    cfg = LlamaConfig(
+    config_cls, model_cls = LlamaConfig, LlamaForCausalLM
+    window: dict[str, Any] = {}
+    if sliding_window is not None:
+        config_cls, model_cls = MistralConfig, MistralForCausalLM
+        window["sliding_window"] = sliding_window
+    cfg = config_cls(
+        **window,
         vocab_size=g["vocab"],
         hidden_size=g["heads"] * g["head_dim"],
         intermediate_size=g["intermediate"],
@@ -90,7 +109,7 @@ def write_tiny_llama(
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    LlamaForCausalLM(cfg).to(getattr(torch, save_dtype)).save_pretrained(path)
+    model_cls(cfg).to(getattr(torch, save_dtype)).save_pretrained(path)
     vocab = {f"t{i}": i for i in range(cfg.vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
