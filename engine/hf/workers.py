@@ -153,6 +153,33 @@ def greedy_continue(
         tok = int(out.logits[0, -1].argmax())
 
 
+def store_answer(
+    adapter: HFKVAdapter,
+    store: BlockStore,
+    prompt: Sequence[int],
+    tokens: Sequence[int],
+    cache: Any,
+) -> int:
+    """Store the full blocks of a generated answer that its cache holds, keyed by the
+    chain of prompt and answer (what a chat's next turn, whose prompt repeats the
+    answer, looks up); returns how many were newly stored.
+
+    The last generated token was never fed back, so the cache holds the prompt and
+    the answer but its last token; a cache of any other length (a stream cut short, a
+    cache that is not this answer's) stores nothing, so no block's bytes can be
+    another token's. The prompt's own full blocks were stored by its prefill."""
+    ids = list(prompt) + list(tokens[:-1])
+    if cache is None or not tokens or cache.get_seq_length() != len(ids):
+        return 0
+    B = adapter.block_tokens
+    start, stop = len(prompt) // B, len(ids) // B
+    if stop <= start:
+        return 0
+    keys = adapter.keys(ids)
+    res = adapter.put_blocks(store, keys[start:stop], adapter.gather(cache, start, stop))
+    return sum(r is True for r in res)
+
+
 def _as_ids(prompt: Sequence[int] | torch.Tensor) -> list[int]:
     if isinstance(prompt, torch.Tensor):
         return [int(t) for t in prompt.reshape(-1).tolist()]
@@ -263,6 +290,7 @@ class DecodeWorker:
         self.last_fetch = FetchStats()
         self.first_token_mismatches = 0
         self.tail_recomputed = 0  # handoffs whose exact KV could not be read
+        self.last_cache: Any = None  # the latest decode's cache, grown as it generates
 
     def decode(
         self,
@@ -281,6 +309,7 @@ class DecodeWorker:
         if cache is None:
             self.tail_recomputed += handoff.shared_blocks >= 0
             cache = self._recomputed_cache(handoff)
+        self.last_cache = cache  # transformers grows it in place: the answer's KV too
         return greedy_continue(self.adapter.model, cache, handoff.first_token, max_new_tokens, stop)
 
     def _exact_cache(self, handoff: Handoff) -> Any:

@@ -25,7 +25,13 @@ import torch
 
 from engine.blockstore import GuardedStore, NullStore
 from engine.hf.adapter import HFKVAdapter, model_device
-from engine.hf.workers import DecodeWorker, Handoff, PrefillWorker, greedy_continue
+from engine.hf.workers import (
+    DecodeWorker,
+    Handoff,
+    PrefillWorker,
+    greedy_continue,
+    store_answer,
+)
 from engine.planning.scheduler import PrefillModel, PrefillSample, fit_prefill_model
 from engine.registry import WorkerLoad, codec_label
 from engine.serving.loading import LoadedModel
@@ -62,6 +68,10 @@ class WorkerEngine:
     their prefix there and write new blocks there); ``cluster`` a cluster-wide client
     for decode reads (nearest replica); ``source_client(node_id)`` the guarded client
     of another node, for reading a handoff the directory has not caught up with.
+    ``save_decode``: once an answer is whole, its full blocks are stored too, in the
+    node that holds its prompt's (the prefill worker's, a handoff's source), so a
+    chat's next turn, placed there for its prefix, finds its whole history
+    (engine/hf/workers.py ``store_answer``).
     """
 
     def __init__(
@@ -77,8 +87,10 @@ class WorkerEngine:
         faults: Faults = Faults(),
         on_load: Callable[[WorkerLoad], None] | None = None,
         kv_codec: str | None = None,
+        save_decode: bool = False,
     ) -> None:
         self.lm = lm
+        self.save_decode = save_decode
         self.adapter = HFKVAdapter(
             lm.model, model_id=lm.name, block_tokens=block_tokens, kv_codec=kv_codec
         )
@@ -93,7 +105,7 @@ class WorkerEngine:
         self._load = _Load()
         self.counters: dict[str, int] = {
             "prefills": 0, "decodes": 0, "generates": 0, "tail_recomputed": 0,
-            "handoff_from_cluster": 0, "handoff_from_source": 0,
+            "handoff_from_cluster": 0, "handoff_from_source": 0, "answer_blocks": 0,
         }  # fmt: skip
         self.last_prefill: dict[str, Any] = {}  # the latest prefill's PrefillStats
         self.last_decode: dict[str, Any] = {}  # the latest handoff read (FetchStats)
@@ -206,9 +218,13 @@ class WorkerEngine:
             return first
 
         self.counters["decodes"] += 1
+        tokens = [h.first_token]  # the router sent it; the stream starts after it
         async for item in self._stream(
             len(h.prompt) + max_tokens, start, gen_box, max_tokens, stop_ids, skip_first=True
         ):
+            tokens += [item["token"]] if "token" in item else []
+            if item.get("done"):  # stored before the end goes out: a next turn finds it
+                await self._keep_answer(h.prompt, tokens, dw.last_cache, source or self.local)
             yield item
         self.counters["tail_recomputed"] += dw.tail_recomputed
         self.counters["handoff_from_cluster"] += reader.from_cluster
@@ -231,6 +247,7 @@ class WorkerEngine:
             }
         }
         gen_box = [greedy_continue(self.lm.model, cache, h.first_token, max_tokens, set(stop_ids))]
+        tokens: list[int] = []
         async for item in self._stream(
             len(prompt) + max_tokens,
             lambda: next(gen_box[0]),
@@ -239,7 +256,25 @@ class WorkerEngine:
             stop_ids,
             skip_first=False,
         ):
+            tokens += [item["token"]] if "token" in item else []
+            if item.get("done"):
+                await self._keep_answer(prompt, tokens, cache, self.local)
             yield item
+
+    async def _keep_answer(
+        self, prompt: Sequence[int], tokens: list[int], cache: Any, store: GuardedStore | None
+    ) -> None:
+        """With ``save_decode``, store a whole answer's full blocks in ``store``: after
+        its last token went out, before its end did (the client's next turn cannot
+        come sooner). A failed write is a later miss, never this answer's error."""
+        if not self.save_decode or store is None or cache is None:
+            return
+        try:
+            n = await self._run(lambda: store_answer(self.adapter, store, prompt, tokens, cache))
+        except KVStoreError as exc:
+            log.info("could not store an answer's blocks (%s)", exc)
+            return
+        self.counters["answer_blocks"] += n
 
     async def _stream(
         self,

@@ -240,6 +240,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tiny-layers", type=int, default=2, help="layers of the tiny model")
     p.add_argument("--lease-ttl-s", type=int, default=10, help="etcd lease of the record")
     p.add_argument(
+        "--save-decode",
+        action="store_true",
+        help="store each whole answer's full blocks in the store node beside this worker, "
+        "so a chat's next turn, whose prompt repeats the answer, finds its whole history",
+    )
+    p.add_argument(
         "--no-calibrate",
         action="store_true",
         help="skip timing prefill at start (the router then uses its default model)",
@@ -355,6 +361,7 @@ def run_worker(args: argparse.Namespace) -> int:
         kv_capacity_tokens=args.kv_tokens,
         faults=Faults(args.inject_prefill_delay_s, args.inject_token_delay_s),
         kv_codec=args.kv_codec,
+        save_decode=args.save_decode,
     )
     engine.cluster, engine.local, engine.source_client = _store_clients(
         args, engine.adapter.namespace

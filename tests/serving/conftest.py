@@ -59,13 +59,23 @@ def plain_greedy(ids: list[int], n: int, dtype: torch.dtype = torch.float32) -> 
     way (a moved stream recomputes its tail in one pass) rounds differently; with every
     gap far above that rounding, any correct engine picks the same tokens."""
     tok = load_tokenizer("tiny")
+    out = _generate(ids, n, dtype)
+    best = torch.stack(out.scores)[:, 0].float().topk(2, dim=-1).values
+    gap = float((best[:, 0] - best[:, 1]).min())
+    return str(tok.decode(out.sequences[0, len(ids) :].tolist(), skip_special_tokens=True)), gap
+
+
+def plain_ids(ids: list[int], n: int, dtype: torch.dtype = torch.float32) -> list[int]:
+    """:func:`plain_engine`'s answer as token ids."""
+    return [int(t) for t in _generate(ids, n, dtype).sequences[0, len(ids) :].tolist()]
+
+
+def _generate(ids: list[int], n: int, dtype: torch.dtype) -> Any:
+    tok = load_tokenizer("tiny")
     model: Any = tiny_llama(dtype)
     with torch.inference_mode():
-        out = model.generate(
+        return model.generate(
             torch.tensor([ids]), max_new_tokens=n, do_sample=False,
             eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
             output_scores=True, return_dict_in_generate=True,
         )  # fmt: skip
-    best = torch.stack(out.scores)[:, 0].float().topk(2, dim=-1).values
-    gap = float((best[:, 0] - best[:, 1]).min())
-    return str(tok.decode(out.sequences[0, len(ids) :].tolist(), skip_special_tokens=True)), gap

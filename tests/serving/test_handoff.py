@@ -11,7 +11,7 @@ import torch
 
 from engine.hf.adapter import HFKVAdapter
 from engine.hf.models import tiny_llama
-from engine.hf.workers import DecodeWorker, PrefillWorker, greedy_continue
+from engine.hf.workers import DecodeWorker, PrefillWorker, greedy_continue, store_answer
 from kvstore import StoreNode
 
 N_NEW = 16
@@ -56,3 +56,26 @@ def test_a_missing_request_scoped_block_recomputes_and_says_so() -> None:
         own = list(greedy_continue(model, cache, h.first_token, N_NEW))
         assert list(dw.decode(h, N_NEW)) == own  # fp32: the recompute is exact
         assert dw.tail_recomputed == 1
+
+
+def test_a_whole_answer_is_stored_for_the_next_turn() -> None:
+    """store_answer (``kvstore worker --save-decode``): a decode's cache holds the prompt
+    and the answer but its last token; those full blocks past the prompt's are stored
+    under the chain of prompt and answer. A next turn repeating the answer loads them,
+    and its handoff decodes as its own continuation. A cache of another length (a cut
+    answer, another request's) stores nothing."""
+    model = tiny_llama(torch.float32)
+    ad = HFKVAdapter(model, model_id="tiny", block_tokens=16)
+    rng = random.Random(9)
+    p = [rng.randrange(512) for _ in range(40)]
+    with StoreNode() as node:
+        pw, dw = PrefillWorker(ad, node), DecodeWorker(ad, node)
+        answer = list(dw.decode(pw.prefill("r1", p), 30))  # the cache: 40 + 29 tokens
+        assert store_answer(ad, node, p, answer[:10], dw.last_cache) == 0
+        assert store_answer(ad, node, p, answer, dw.last_cache) == 4 - 2  # blocks 2, 3
+        assert store_answer(ad, node, p, answer, dw.last_cache) == 0  # stored already
+        nxt = p + answer + [rng.randrange(512) for _ in range(20)]
+        h, cache = pw.prefill_with_cache("r2", nxt)
+        assert h.stats.cached_blocks == 4
+        own = list(greedy_continue(model, cache, h.first_token, N_NEW))
+        assert list(DecodeWorker(ad, node).decode(h, N_NEW)) == own

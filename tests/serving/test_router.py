@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serving.conftest import chat_ids, plain_engine, words
+from tests.serving.conftest import chat_ids, plain_engine, plain_ids, words
 from tests.serving.procs import ServingCluster
 from tests.support.etcd_fixtures import EtcdProcess
 
@@ -30,7 +30,7 @@ def cluster(
         c.add_workers([
             {"id": "p0", "role": "prefill", "node": "n0"},
             {"id": "p1", "role": "prefill", "node": "n1"},
-            {"id": "d0", "role": "decode", "node": "n0"},
+            {"id": "d0", "role": "decode", "node": "n0", "flags": ["--save-decode"]},
         ])  # fmt: skip
         c.urls = {"cache_aware": c.add_router()}  # type: ignore[attr-defined]
         yield c
@@ -136,6 +136,26 @@ def test_second_turn_goes_to_the_prefix_holder(cluster: ServingCluster) -> None:
     # the whole first-turn prompt's full blocks were reused (688 tokens -> 43 blocks)
     assert second["cached_tokens"] >= (len(chat_ids(_conversation(3))) // 16) * 16
     assert second["tier"] == "dram"
+
+
+def test_a_next_turn_finds_the_answer_stored_beside_its_prompt(cluster: ServingCluster) -> None:
+    """d0 runs with --save-decode: once an answer is whole, its full blocks go to the
+    node holding its prompt's (the prefill worker's), so a next turn that repeats the
+    answer is placed there and finds prompt and answer both. Prompts are token ids: a
+    chat's text is tokenized again, which need not give the generated ids back."""
+    from engine.serving.loading import load_tokenizer
+
+    client = _client(cluster.urls["cache_aware"])  # type: ignore[attr-defined]
+    p = list(load_tokenizer("tiny")(words(300, 21)).input_ids)
+    answer = plain_ids(p, 48)
+    r1 = client.completions.create(model="tiny", prompt=p, max_tokens=48)
+    assert r1.choices[0].text == load_tokenizer("tiny").decode(answer, skip_special_tokens=True)
+    nxt = p + answer + list(load_tokenizer("tiny")(words(30, 22)).input_ids)
+    r2 = client.completions.create(model="tiny", prompt=nxt, max_tokens=4)
+    first, second = (r.usage.model_extra["kvstore"] for r in (r1, r2))  # type: ignore[union-attr]
+    assert second["prefill_worker"] == first["prefill_worker"]
+    whole = (len(p) + len(answer) - 1) // 16 * 16  # the answer's last token has no KV
+    assert second["cached_tokens"] == whole > len(p)
 
 
 def test_round_robin_sends_the_second_turn_elsewhere(cluster: ServingCluster) -> None:
