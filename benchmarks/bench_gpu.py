@@ -229,7 +229,7 @@ def group(name: str, measure: Callable[[], Rows]) -> Rows:
     except Exception:
         traceback.print_exc()
         print(f"bench_gpu: the {name} rows failed; going on", file=sys.stderr, flush=True)
-        return [{"measure": f"{name} (failed: see the log)", "missing": True}]
+        return [{"measure": f"{name} (failed: see the log)", "missing": True, "failed": True}]
 
 
 def served(
@@ -251,7 +251,7 @@ def served(
     except Exception:
         traceback.print_exc()
     for name, _ in left:
-        done([{"measure": f"{name} (no server: see the log)", "missing": True}])
+        done([{"measure": f"{name} (no server: see the log)", "missing": True, "failed": True}])
 
 
 def main() -> int:
@@ -289,7 +289,7 @@ def main() -> int:
     done(group("node DRAM", lambda: node_rows(runs, gpu_node.dram_rows)))
     if args.json:
         print(json.dumps(rows, indent=1), flush=True)
-    return 0
+    return 1 if any(r.get("failed") for r in rows) else 0  # every group ran; some failed
 
 
 if __name__ == "__main__":

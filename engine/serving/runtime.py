@@ -271,8 +271,8 @@ class WorkerEngine:
             return
         try:
             n = await self._run(lambda: store_answer(self.adapter, store, prompt, tokens, cache))
-        except KVStoreError as exc:
-            log.info("could not store an answer's blocks (%s)", exc)
+        except Exception as exc:  # best effort: the answer is whole, whatever happens here
+            log.warning("could not store an answer's blocks (%s: %s)", type(exc).__name__, exc)
             return
         self.counters["answer_blocks"] += n
 

@@ -345,7 +345,10 @@ class Pools:
             "x-kvstore-prefill": prefill,
             "x-kvstore-cached-blocks": f"{cached}/{full}",
         }
-        return await self._decode(path, body, headers, near.store_node)
+        # where the prompt's blocks are now: the prefill server's store (the checked one
+        # when the prefill was skipped or failed), which the decode server loads from
+        held = next((s.store_node for s in self.prefill if s.url == prefill), near.store_node)
+        return await self._decode(path, body, headers, held)
 
     async def _decode(
         self, path: str, body: dict[str, Any], headers: dict[str, str], near: str

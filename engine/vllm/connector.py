@@ -116,6 +116,22 @@ __all__ = ["KVStoreConnector", "namespace_for"]
 logger = logging.getLogger("vllm.kvstore")
 
 
+def windowed(kv_cache_config: KVCacheConfig) -> bool:
+    """Whether the KV cache group keeps only a window of each request (sliding window,
+    chunked local attention: vLLM puts its null block where the window has left).
+
+    Such a request cannot take a load that fails: vLLM recomputes from the first block
+    that failed, and the tokens there attend to blocks before it that it no longer
+    has. A model mixing windowed and full layers is one full-attention group (vLLM
+    turns its hybrid KV cache manager off for this connector), and loads."""
+    from vllm.v1 import kv_cache_interface as kinds
+
+    # (A full-attention spec may name a window too: it keeps every block all the same.)
+    names = ("SlidingWindowSpec", "ChunkedLocalAttentionSpec", "RSWASpec", "CircularBufferSpec")
+    windowed_kinds = tuple(getattr(kinds, n) for n in names if hasattr(kinds, n))
+    return isinstance(kv_cache_config.kv_cache_groups[0].kv_cache_spec, windowed_kinds)
+
+
 def namespace_for(
     vllm_config: VllmConfig,
     kv_cache_config: KVCacheConfig,
@@ -159,6 +175,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         tc = self._kv_transfer_config
         self.config = ConnectorConfig.from_extra(tc.kv_connector_extra_config)
         load, save = bool(tc.is_kv_consumer), bool(tc.is_kv_producer)
+        if load and windowed(kv_cache_config):
+            logger.warning(
+                "KVStoreConnector: this model's attention is windowed (every layer): vLLM "
+                "keeps no KV before a request's window, so a failed load could not be "
+                "recomputed correctly; loads are off, saves stay on"
+            )
+            load = False
         rank = 0
         if role is KVConnectorRole.SCHEDULER:
             require_recompute(tc)

@@ -201,6 +201,8 @@ class PagedKV:
         through ``scratch`` (``[k, n, H, 2, B*D]``, page order) and, for host ``out``
         of device pages, a canonical copy on the device."""
         n = len(block_ids)
+        if out.dtype != self.dtype:  # a byte view would reinterpret it as another dtype
+            raise ValueError(f"gathering pages of {self.dtype} into {out.dtype}")
         if n == 0:
             return out
         idx = self._ids(block_ids)

@@ -131,11 +131,12 @@ def check_kv_scales(vllm_config: VllmConfig, layer_names: list[str]) -> None:
     layers = vllm_config.compilation_config.static_forward_context
     for name in layer_names:
         layer = layers.get(name)
-        scales = [getattr(layer, a, 1.0) for a in ("_k_scale_float", "_v_scale_float")]
-        if layer is None or scales != [1.0, 1.0]:
+        scales = [getattr(layer, a, None) for a in ("_k_scale_float", "_v_scale_float")]
+        if scales != [1.0, 1.0]:  # a layer or scale it cannot read is refused too
+            shown = scales if None not in scales else "unknown"
             raise ConfigError(
                 f"KVStoreConnector stores fp8 KV at a scale of 1; layer {name} has "
-                f"k/v scales {scales if layer is not None else 'unknown'}"
+                f"k/v scales {shown}"
             )
 
 

@@ -7,9 +7,7 @@ timeout, while the node's other shards answer in microseconds, and a batch waits
 its slowest shard. For a cache a fast miss beats a slow one.
 
 So a shard that fails a call with a node failure (unreachable, its transport broken,
-timed out under the client's own deadline: a caller's shorter ``timeout=`` is its
-hurry, not the shard's fault, see ``ShardedClient._on``) is *suspect* for
-:data:`SUSPECT_S`, as a cluster client's failed node is
+timed out) is *suspect* for :data:`SUSPECT_S`, as a cluster client's failed node is
 (kvstore/client/members.py): calls fail its keys at once with Unavailable, the other
 shards' keys stand. After that a TCP connect probes it; a shard that refuses stays
 suspect, one that accepts gets one trial call (the other callers keep failing fast
@@ -18,6 +16,13 @@ again within a probe of its return, and a hung one (whose port still accepts) co
 timeout per :data:`SUSPECT_S` rather than one per call. A success clears the shard at
 once. A client's first call to a shard that is down when it is first needed is a
 probe too (kvstore/client/sharded.py), not a connect retried for its whole timeout.
+
+A timeout under a deadline shorter than the client's own (a caller's ``timeout=``, a
+cluster client's share of its deadline) may be the caller's hurry rather than the
+shard's fault: one such timeout is a *strike*, and :data:`HURRIED_STRIKES` in a row,
+with no success between, make the shard suspect. So one impatient caller does not
+turn a busy shard into a second of misses for every thread, and a hung shard still
+costs a bounded number of timeouts per hold whoever calls it.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from collections.abc import Callable, Sequence
 from kvstore.errors import KVStoreError, TimeoutError_, TransportError, Unavailable
 from kvstore.observe.counters import NodeCounters
 
-__all__ = ["SHARD_FAILURES", "SUSPECT_S", "ShardSuspects"]
+__all__ = ["HURRIED_STRIKES", "SHARD_FAILURES", "SUSPECT_S", "ShardSuspects"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +44,9 @@ SUSPECT_S = 1.0
 
 SHARD_FAILURES = (Unavailable, TransportError, TimeoutError_)
 """Errors that say "this shard, now" rather than "this request"."""
+
+HURRIED_STRIKES = 2
+"""Timeouts under a caller's shorter deadline, in a row, that make a shard suspect."""
 
 
 class ShardSuspects:
@@ -63,6 +71,7 @@ class ShardSuspects:
         self.clock = clock
         self._lock = threading.Lock()
         self._until: dict[int, tuple[float, str]] = {}  # shard -> (skip until, why)
+        self._strikes: dict[int, int] = {}  # shard -> hurried timeouts in a row
 
     def check(self, shard: int) -> None:
         """Raise Unavailable while ``shard`` is suspect (see the module docstring). Once
@@ -92,11 +101,18 @@ class ShardSuspects:
             f"({why}); skipped for {max(until - now, 0.0):.1f} s more"
         )
 
-    def failed(self, shard: int, exc: KVStoreError) -> None:
-        """Record that ``shard`` failed a call with ``exc``; only node failures count."""
+    def failed(self, shard: int, exc: KVStoreError, *, hurried: bool = False) -> None:
+        """Record that ``shard`` failed a call with ``exc``; only node failures count.
+        ``hurried``: the call ran under a deadline shorter than the client's own, so a
+        timeout is a strike (module docstring)."""
         if not isinstance(exc, SHARD_FAILURES):
             return
         with self._lock:
+            if hurried and isinstance(exc, TimeoutError_):
+                strikes = self._strikes[shard] = self._strikes.get(shard, 0) + 1
+                if strikes < HURRIED_STRIKES:
+                    return
+            self._strikes.pop(shard, None)
             fresh = shard not in self._until
             self._until[shard] = (self.clock() + self.hold_s, str(exc) or type(exc).__name__)
         if fresh:
@@ -109,7 +125,10 @@ class ShardSuspects:
             )
 
     def succeeded(self, shard: int) -> None:
-        """``shard`` answered: no longer suspect."""
+        """``shard`` answered: no longer suspect, and no strikes."""
+        if shard in self._strikes:
+            with self._lock:
+                self._strikes.pop(shard, None)
         if shard in self._until:
             with self._lock:
                 gone = self._until.pop(shard, None)

@@ -58,7 +58,6 @@ from kvstore.errors import (
     ConflictError,
     InvalidValue,
     KVStoreError,
-    TimeoutError_,
     Unavailable,
 )
 from kvstore.keys import Namespace
@@ -179,18 +178,15 @@ class ShardedClient:
     def _on(
         self, shard: int, idx: list[int], call: ShardCall[T], timeout: float | None = None
     ) -> T:
-        """``call`` on one shard, unless it is suspect; a node failure makes it so,
-        except a timeout under a deadline the caller set shorter than the client's own:
-        that says the caller is in a hurry, not that the shard is down, and holding the
-        shard for every thread of the client would turn one impatient call into a
-        second of misses for all."""
+        """``call`` on one shard, unless it is suspect; a node failure makes it so (a
+        timeout under a deadline shorter than the client's own only after a second in
+        a row: kvstore/client/shard_health.py)."""
         self.suspects.check(shard)
         try:
             out = call(self.node(shard), idx)
         except KVStoreError as exc:
             hurried = timeout is not None and timeout < self.first.config.timeout_s
-            if not (hurried and isinstance(exc, TimeoutError_)):
-                self.suspects.failed(shard, exc)
+            self.suspects.failed(shard, exc, hurried=hurried)
             raise
         self.suspects.succeeded(shard)
         return out

@@ -402,8 +402,10 @@ def test_a_callers_short_timeout_leaves_the_shard_in_use(
     sharded_factory: ShardedFactory,
 ) -> None:
     """A call that times out under a deadline its caller set shorter than the client's
-    own says the caller is in a hurry, not that the shard is down: the client's other
-    calls go on using the shard. A timeout under the client's own deadline holds it."""
+    own may say the caller is in a hurry, not that the shard is down: the client's
+    other calls go on using the shard (a second in a row would hold it:
+    tests/unit/test_shard_health.py). A timeout under the client's own deadline holds
+    it at once."""
     node = sharded_factory()
     key = next(k for k in spread(8) if home(k, 2) == 1)
     stall = "read:delay=0.6:times=1"

@@ -143,3 +143,22 @@ def test_a_probe_that_fails_does_not_undo_a_success_meanwhile() -> None:
     assert len(errors) == 1  # A's own call was refused by its probe
     assert s.suspects() == set()
     s.check(0)  # and everyone else goes on
+
+
+def test_hurried_timeouts_make_a_shard_suspect_only_in_a_row() -> None:
+    """A timeout under a caller's shorter deadline is a strike: one is forgiven (the
+    caller's hurry), two in a row are a shard that does not answer (a hung one, seen
+    through a cluster client's deadline shares); a success in between forgives."""
+    s, _, counters = suspects()
+    s.failed(0, TimeoutError_("slow"), hurried=True)
+    s.check(0)  # not suspect
+    s.succeeded(0)
+    s.failed(0, TimeoutError_("slow"), hurried=True)
+    s.check(0)  # the success in between wiped the first strike
+    s.failed(0, TimeoutError_("slow"), hurried=True)
+    with pytest.raises(Unavailable):
+        s.check(0)
+    assert counters.get("shard_failures") == 1
+    s.failed(1, TransportError("reset"), hurried=True)  # not a timeout: at once
+    with pytest.raises(Unavailable):
+        s.check(1)

@@ -9,9 +9,9 @@ dtype: real vLLM engines (tests/support/vllm_fixtures.py) and a real ``kvstore s
   engine of the same model never reads. vLLM runs an fp8 cache on CPU on x86 with
   AVX-512 or AMX only: elsewhere those tests are skipped.
 - A sliding-window model (a Mistral whose every layer sees 64 tokens back): vLLM gives
-  a request its null block for the blocks its window has left. Nothing is loaded into
-  that block nor saved from it; a consumer loads the window's blocks and answers as a
-  plain engine does.
+  a request its null block for the blocks its window has left, so a failed load could
+  not be recomputed; such an engine saves (never from the null block) and loads
+  nothing.
 
 Runs in .venv-vllm (``make test-vllm``).
 """
@@ -144,21 +144,21 @@ def test_fp8_blocks_live_in_their_own_namespace(
         assert c.match_prefix(list(prefix_keys(p, BLOCK, full))) == 0
 
 
-def test_a_sliding_window_consumer_loads_its_window_and_answers_as_a_plain_engine(
+def test_a_sliding_window_model_saves_but_does_not_load(
     window: dict[str, EngineProcess], store: ServerProcess
 ) -> None:
-    """The producer saved every block while its prompt was computed (none was the null
-    block yet); the consumer, promised them all, gets real pages for its window's
-    blocks only, loads those, and answers token for token as a plain engine."""
+    """vLLM keeps no KV before a windowed request's window (its null block stands in):
+    a load that failed could not be recomputed correctly, so such a consumer loads
+    nothing and computes the prompt, answering as a plain engine. The producer saved
+    every block, each while it was computed, none from the null block."""
     p = prompt(33, 300)
     ref = window["ref"].generate([p], 16)[0]
     window["prod"].generate([p], 1)
     ns = namespace_of(window["prod"])
     with store.client(namespace=ns) as c:
         assert c.match_prefix(list(prefix_keys(p, BLOCK, ns))) == 300 // BLOCK
+        assert c.get(prefix_keys(p, BLOCK, ns)[0]).abs().max() > 0  # real KV, not block 0's
     out = window["cons"].generate([p], 16)[0]
     assert out["tokens"] == ref["tokens"]
-    assert out["cached"] == usable_blocks(300) * BLOCK
-    loaded = window["cons"].stats()["worker"]["loaded_blocks"]
-    in_window = -(-WINDOW // BLOCK) + 1  # the blocks the window can reach, at most
-    assert 0 < loaded <= in_window < usable_blocks(300)
+    assert out["cached"] == 0
+    assert window["cons"].stats()["worker"]["loaded_blocks"] == 0
