@@ -207,6 +207,7 @@ def pool_for_cluster(args: Any, cluster: Any, etcd_auth: Any) -> ServingPool:
         policies=(args.policy,) if args.router else (),
         router_port=args.router_port,
         host=args.host,
+        worker_flags=("--save-decode",) if getattr(args, "save_decode", False) else (),
     )
     settings: dict[str, Any] = {"token": cluster.token} if cluster.token is not None else {}
     settings.update(etcd_auth.settings())

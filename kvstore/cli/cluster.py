@@ -101,6 +101,11 @@ def _add_up(sub: Any) -> None:
     up.add_argument("--model", default="tiny", help="workers' model: tiny, smollm2 or a path")
     up.add_argument("--router-port", type=int, default=8000, help="router port (0 picks one)")
     up.add_argument("--policy", default="cache_aware", help="router placement policy")
+    up.add_argument(
+        "--save-decode",
+        action="store_true",
+        help="workers store each whole answer's blocks too (a chat's next turn hits them)",
+    )
     up.add_argument("--json", action="store_true", help="print the ready document as JSON")
     add_etcd_flags(up)
     up.set_defaults(func=_cmd_up)

@@ -35,7 +35,7 @@ def test_up_with_workers_and_router_serves_and_stops(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     argv = [sys.executable, "-m", "kvstore.cli", "up", "--json", "--nodes", "1",
             "--dram", "64MiB", "--prefill", "1", "--decode", "1", "--router",
-            "--model", "tiny", "--router-port", "0"]  # fmt: skip
+            "--model", "tiny", "--router-port", "0", "--save-decode"]  # fmt: skip
     with open(tmp_path / "up.log", "wb") as log:
         up = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, env=env, text=True)
     try:
