@@ -71,9 +71,10 @@ store node and requests in flight, for ``kvstore vllm-router --etcd`` to follow;
 scheduler side holds the record (engine/vllm/membership.py).
 
 Not handled: hybrid models (more than one KV cache group), MLA, platforms other than
-CPU and CUDA (refused at start). Blocks of generated tokens are saved only with
-``"save_decode": true`` (engine/vllm/scheduler_side.py). Tensor
-parallelism is untested: each rank stores its shard under its own ``R<rank>``, and the
+CPU and CUDA (refused at start); multimodal and embedding prompts (neither looked up
+nor saved: their placeholder ids do not name their inputs). Blocks of generated
+tokens are saved only with ``"save_decode": true`` (engine/vllm/scheduler_side.py).
+Tensor parallelism is untested: each rank stores its shard under its own ``R<rank>``, and the
 scheduler matches rank 0's keys (a shard missing on another rank is a load error there).
 """
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from hashlib import blake2b
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["KVStoreConnectorMetadata", "SchedulerSide", "require_recompute"]
+__all__ = ["KVStoreConnectorMetadata", "SchedulerSide", "chain_root", "require_recompute"]
 
 # vLLM's logger tree: its level (VLLM_LOGGING_LEVEL) and format apply to our lines.
 logger = logging.getLogger("vllm.kvstore")
@@ -93,11 +94,21 @@ class SchedulerSide:
         self._reqs: dict[str, _RequestState] = {}
         self._pending_loads: list[BlockTransfer] = []
 
-    def _state(self, req_id: str, prompt: Sequence[int] | None) -> _RequestState | None:
-        st = self._reqs.get(req_id)
-        if st is None and prompt is not None:
-            keys: list[bytes] = list(prefix_keys(prompt, self.block_size, self.namespace))
-            st = self._reqs[req_id] = _RequestState(keys=keys)
+    def _state(self, request: Request) -> _RequestState:
+        """The request's state, made at its first lookup (vLLM looks up every request
+        before it first schedules it): its keys, or none for a request whose KV its
+        token ids do not name (see :func:`chain_root`)."""
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            keys: list[bytes] = []
+            plain = not request.mm_features and getattr(request, "prompt_embeds", None) is None
+            if plain:
+                root = chain_root(request, self.namespace, self.block_size)
+                ids = request.prompt_token_ids or []
+                keys = list(prefix_keys(ids, self.block_size, self.namespace, parent=root))
+            st = self._reqs[request.request_id] = _RequestState(keys=keys)
+            if plain and self.save_decode:
+                st.request = request
         return st
 
     def matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
@@ -106,10 +117,8 @@ class SchedulerSide:
         One ``match_prefix`` over the prompt's full blocks; a saving side asks too, so
         it never writes (nor even gathers) blocks the store already holds.
         """
-        st = self._state(request.request_id, request.prompt_token_ids)
-        if st is not None and self.save_decode:
-            st.request = request
-        if st is None or not st.keys:
+        st = self._state(request)
+        if not st.keys:
             return 0
         st.local_tokens = num_computed_tokens
         # Keep the last prompt token for vLLM: its logits give the first output token.
@@ -152,7 +161,6 @@ class SchedulerSide:
     def _plan_saves(self, so: SchedulerOutput) -> list[BlockTransfer]:
         before: dict[str, int] = {}
         for new in so.scheduled_new_reqs:
-            self._state(new.req_id, new.prompt_token_ids)
             before[new.req_id] = new.num_computed_tokens
         cached = so.scheduled_cached_reqs
         before.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
@@ -207,6 +215,24 @@ class SchedulerSide:
     def finished(self, request: Request) -> None:
         """Forget a finished request."""
         self._reqs.pop(request.request_id, None)
+
+
+def chain_root(request: Any, namespace: Namespace, block_tokens: int) -> bytes | None:
+    """Where the request's key chain starts: None (the namespace's own root, which
+    engine/hf/adapter.py's keys share) unless its KV depends on more than its token
+    ids: a LoRA adapter (by name: engines sharing a store load adapters under the same
+    names) or a ``cache_salt`` (vLLM's: prefixes shared only within one salt). Then a
+    root of its own, so such blocks never answer another adapter's, salt's or the base
+    model's lookup. Multimodal and embedding prompts have no keys at all (their
+    placeholder ids do not name their inputs): the caller gives them none."""
+    lora = getattr(request, "lora_request", None)
+    salt = getattr(request, "cache_salt", None)
+    if lora is None and not salt:
+        return None
+    h = blake2b(namespace.canonical(block_tokens), digest_size=16, person=b"kvstore/vllm")
+    h.update(b"lora:" + (lora.lora_name.encode() if lora is not None else b"") + b"\0")
+    h.update(b"salt:" + (salt or "").encode())
+    return h.digest()
 
 
 def require_recompute(transfer_config: Any) -> None:

@@ -638,6 +638,60 @@ def test_fp8_kv_at_a_scale_other_than_one_is_refused() -> None:
         check_kv_scales(config("fp8", (1.0, 1.0)), ["l1"])
 
 
+@needs_vllm
+@pytest.mark.process  # importing vLLM's platform runs `file` on the interpreter
+def test_keys_name_what_the_kv_depends_on() -> None:
+    """A request's keys: the plain chain (the transformers adapter's too) for a plain
+    prompt; a chain of its own under a LoRA adapter or a cache_salt (never another's
+    blocks); none for a multimodal or embedding prompt, whose placeholder ids do not
+    name its inputs (no lookup, no save)."""
+    from types import SimpleNamespace
+
+    from engine.vllm.scheduler_side import SchedulerSide
+
+    ns = Namespace("tiny-keys", "float32:L2:H2:D32:B32:R0")
+    ids = list(range(100, 228))  # four full blocks
+    bare = {"lora_request": None, "cache_salt": None, "mm_features": [], "prompt_embeds": None}
+
+    def request(rid: str, **kw: Any) -> Any:
+        n = len(ids)
+        return SimpleNamespace(
+            request_id=rid, prompt_token_ids=ids, num_prompt_tokens=n, **{**bare, **kw}
+        )
+
+    def planned(side: SchedulerSide, rid: str) -> list[bytes]:
+        so = SimpleNamespace(
+            scheduled_new_reqs=[SimpleNamespace(req_id=rid, num_computed_tokens=0)],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+            num_scheduled_tokens={rid: len(ids)},
+            kv_connector_block_state=SimpleNamespace(get_block_ids=lambda r: ([1, 2, 3, 4],)),
+        )
+        return [k for t in side.build_meta(so).saves for k in t.keys]  # type: ignore[arg-type]
+
+    lora = SimpleNamespace(lora_name="sql-adapter", lora_int_id=1)
+    kinds = {"plain": {}, "salt": {"cache_salt": "a"}, "salt2": {"cache_salt": "a"},
+             "other": {"cache_salt": "b"}, "lora": {"lora_request": lora}}  # fmt: skip
+    with StoreNode(dram_bytes="4MiB") as node:
+        rs = resilient(NodeStore(node, ns), Clock())
+        side = SchedulerSide(ns, rs, ConnectorStats(), load_enabled=True, save_enabled=True)
+        keys = {}
+        for rid, kw in kinds.items():
+            assert side.matched_tokens(request(rid, **kw), 0) == 0  # nothing stored yet
+            keys[rid] = planned(side, rid)
+        assert keys["plain"] == list(prefix_keys(ids, 32, ns))
+        assert keys["salt"] == keys["salt2"]  # one salt: one chain
+        assert len({tuple(keys[r]) for r in ("plain", "salt", "other", "lora")}) == 4
+        assert rs.save(keys["plain"], [torch.zeros(2, 2, 2, 32, 32)] * 4) == (4, 0)
+        assert side.matched_tokens(request("plain2"), 0) == 96  # the last block: computed
+        assert side.matched_tokens(request("salt3", cache_salt="a"), 0) == 0
+        assert side.matched_tokens(request("lora2", lora_request=lora), 0) == 0
+        lookups = side.stats.lookups
+        mm = request("mm", mm_features=[SimpleNamespace(identifier="img")])
+        assert side.matched_tokens(mm, 0) == 0 and planned(side, "mm") == []
+        assert side.matched_tokens(request("emb", prompt_embeds=torch.zeros(1)), 0) == 0
+        assert side.stats.lookups == lookups  # the store was never asked
+
+
 def test_quantized_cache_names() -> None:
     assert quantized_dtype("auto") is None
     assert quantized_dtype("fp8") == quantized_dtype("fp8_e4m3") == torch.float8_e4m3fn
