@@ -62,6 +62,7 @@ from starlette.routing import Route
 from engine.registry import WorkerRecord
 from engine.serving.vllm_members import PoolMembers
 from engine.serving.vllm_resume import Answer, StreamRelay, resumable, with_token_ids
+from engine.vllm.keys import chain_root
 from kvstore import Namespace, StoreClient, prefix_keys
 from kvstore.errors import KVStoreError
 
@@ -223,10 +224,16 @@ class Pools:
             store = self.members.store_address(rec.store_node) or ""
         return Namespace(**rec.namespace), rec.block_tokens, store
 
-    def cached_blocks(self, ids: list[int], target: tuple[Namespace, int, str]) -> tuple[int, int]:
-        """(blocks the store holds of the prompt's leading full blocks, full blocks)."""
+    def cached_blocks(
+        self, ids: list[int], target: tuple[Namespace, int, str], salt: str | None = None
+    ) -> tuple[int, int]:
+        """(blocks the store holds of the prompt's leading full blocks, full blocks),
+        keyed as the connector keys them (a ``cache_salt`` roots a chain of its own:
+        engine/vllm/keys.py; a LoRA adapter's requests are checked as the base model's,
+        which the router cannot tell apart, so their prefill may be skipped in vain)."""
         namespace, block_size, store = target
-        keys = prefix_keys(ids, block_size, namespace)
+        root = chain_root(namespace, block_size, salt=salt)
+        keys = prefix_keys(ids, block_size, namespace, parent=root)
         if not keys or not store:
             return 0, len(keys)
         try:
@@ -324,7 +331,8 @@ class Pools:
         try:
             ids = await asyncio.to_thread(self.token_ids, path, body)
             target = self.check_target(near)
-            cached, full = await asyncio.to_thread(self.cached_blocks, ids, target)
+            salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+            cached, full = await asyncio.to_thread(self.cached_blocks, ids, target, salt)
             uncached = max(len(ids) - cached * target[1], 0)  # what the prefill computes
         except Exception as exc:  # the check is an optimization: never fail a request on it
             log.warning("cache check skipped (%s: %s)", type(exc).__name__, exc)

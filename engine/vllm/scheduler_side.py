@@ -20,12 +20,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from hashlib import blake2b
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from engine.blockstore import GuardedStore
+from engine.vllm.keys import chain_root
 from engine.vllm.loads import BlockTransfer
 from engine.vllm.store import ConnectorStats
 from kvstore.keys import Namespace, prefix_keys
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["KVStoreConnectorMetadata", "SchedulerSide", "chain_root", "require_recompute"]
+__all__ = ["KVStoreConnectorMetadata", "SchedulerSide", "require_recompute"]
 
 # vLLM's logger tree: its level (VLLM_LOGGING_LEVEL) and format apply to our lines.
 logger = logging.getLogger("vllm.kvstore")
@@ -96,14 +96,19 @@ class SchedulerSide:
 
     def _state(self, request: Request) -> _RequestState:
         """The request's state, made at its first lookup (vLLM looks up every request
-        before it first schedules it): its keys, or none for a request whose KV its
-        token ids do not name (see :func:`chain_root`)."""
+        before it first schedules it): its keys (engine/vllm/keys.py), or none for a
+        multimodal or embedding prompt, whose KV its token ids do not name."""
         st = self._reqs.get(request.request_id)
         if st is None:
             keys: list[bytes] = []
             plain = not request.mm_features and getattr(request, "prompt_embeds", None) is None
-            if plain:
-                root = chain_root(request, self.namespace, self.block_size)
+            if plain:  # else no keys: placeholder ids do not name multimodal inputs
+                lora = getattr(request, "lora_request", None)
+                root = chain_root(
+                    self.namespace, self.block_size,
+                    lora=lora.lora_name if lora is not None else None,
+                    salt=getattr(request, "cache_salt", None),
+                )  # fmt: skip
                 ids = request.prompt_token_ids or []
                 keys = list(prefix_keys(ids, self.block_size, self.namespace, parent=root))
             st = self._reqs[request.request_id] = _RequestState(keys=keys)
@@ -215,24 +220,6 @@ class SchedulerSide:
     def finished(self, request: Request) -> None:
         """Forget a finished request."""
         self._reqs.pop(request.request_id, None)
-
-
-def chain_root(request: Any, namespace: Namespace, block_tokens: int) -> bytes | None:
-    """Where the request's key chain starts: None (the namespace's own root, which
-    engine/hf/adapter.py's keys share) unless its KV depends on more than its token
-    ids: a LoRA adapter (by name: engines sharing a store load adapters under the same
-    names) or a ``cache_salt`` (vLLM's: prefixes shared only within one salt). Then a
-    root of its own, so such blocks never answer another adapter's, salt's or the base
-    model's lookup. Multimodal and embedding prompts have no keys at all (their
-    placeholder ids do not name their inputs): the caller gives them none."""
-    lora = getattr(request, "lora_request", None)
-    salt = getattr(request, "cache_salt", None)
-    if lora is None and not salt:
-        return None
-    h = blake2b(namespace.canonical(block_tokens), digest_size=16, person=b"kvstore/vllm")
-    h.update(b"lora:" + (lora.lora_name.encode() if lora is not None else b"") + b"\0")
-    h.update(b"salt:" + (salt or "").encode())
-    return h.digest()
 
 
 def require_recompute(transfer_config: Any) -> None:

@@ -122,6 +122,26 @@ def test_a_chat_through_the_router_is_the_plain_one_and_its_prefix_is_found(
     assert again.parse().choices[0].message.content == want
 
 
+def test_a_salted_prompt_shares_blocks_only_within_its_salt(stack: dict[str, Any]) -> None:
+    """vLLM's cache_salt: the connector roots a salted request's keys in its salt, and
+    the router checks the store with the same keys. A prompt stored unsalted is a miss
+    under a salt (the prefill runs); stored under that salt, it is a hit under it."""
+    via = openai.OpenAI(base_url=stack["router"] + "/v1", api_key="unused")
+    plain = openai.OpenAI(base_url=stack["plain"].url + "/v1", api_key="unused")
+    args = dict(model=stack["model"], prompt=_prompt(6, 3 * BLOCK + 4), max_tokens=6,
+                temperature=0.0)  # fmt: skip
+    want = plain.completions.create(**args).choices[0].text
+    assert via.completions.create(**args).choices[0].text == want  # stored unsalted
+    salted: dict[str, Any] = {**args, "extra_body": {"cache_salt": "tenant-a"}}
+    first = via.completions.with_raw_response.create(**salted)
+    assert first.headers["x-kvstore-cached-blocks"] == "0/3"
+    assert first.headers["x-kvstore-prefill"] == stack["prefill"].url
+    assert first.parse().choices[0].text == want
+    again = via.completions.with_raw_response.create(**salted)
+    assert again.headers["x-kvstore-cached-blocks"] == "3/3"
+    assert again.parse().choices[0].text == want
+
+
 def _router_over(stack: dict[str, Any], decode: list[str], name: str) -> Any:
     """Another router over the stack's prefill server and these decode servers."""
     return vllm_router(
