@@ -75,7 +75,7 @@ class PartedLayeredPut(LayeredPut):
         if bug is not None:
             for w in started:
                 if isinstance(w, LayeredPut):
-                    with contextlib.suppress(KVStoreError):  # its lease frees it then
+                    with contextlib.suppress(Exception):  # its lease frees it then
                         w.abort()
             raise bug
         if all(isinstance(w, KVStoreError) for w in started):

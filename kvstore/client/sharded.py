@@ -321,9 +321,9 @@ class ShardedClient:
             kw: dict[str, Any] = {"namespace": namespace, "timeout": timeout}
             return NodeClient.begin_layers(c, sub, shape=shape, dtype=dtype, **kw)
 
-        def kept(c: NodeClient, idx: list[int]) -> LayeredPut | Exception:
+        def kept(shard: int, idx: list[int]) -> LayeredPut | Exception:
             try:
-                return start(c, idx)
+                return self._on(shard, idx, start, timeout)
             except KVStoreError:
                 raise  # that shard's failure: its keys', as in any batch
             except Exception as exc:  # a bug's: raised once the started parts are aborted
@@ -333,7 +333,7 @@ class ShardedClient:
         if len(groups) == 1:
             return self._on(groups[0][0], groups[0][1], start, timeout)
         t = self.first.config.timeout_s if timeout is None else timeout
-        outcomes = self.each_group(groups, kept, timeout)
+        outcomes = self.fan.run([functools.partial(kept, s, idx) for s, idx in groups])
         return PartedLayeredPut.start(ks, info, t, [idx for _, idx in groups], outcomes, self.fan)
 
     # -- metadata -----------------------------------------------------------------------
