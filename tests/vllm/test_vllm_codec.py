@@ -35,7 +35,7 @@ import torch
 from engine.hf.adapter import HFKVAdapter
 from kvstore import Namespace, prefix_keys
 from kvstore.codec import get_codec
-from tests.support.server_process import ALPHA, ServerProcess, base_flags
+from tests.support.server_process import ALPHA, ServerProcess
 from tests.support.vllm_fixtures import (
     BLOCK,
     EngineProcess,
@@ -72,17 +72,6 @@ def hf_model(model: str) -> Any:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def store(root: Path) -> Iterator[ServerProcess]:
-    workdir = root / "store"
-    workdir.mkdir()
-    server = ServerProcess(workdir, base_flags(workdir)).start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def extra_for(store: ServerProcess, **more: str) -> dict[str, object]:

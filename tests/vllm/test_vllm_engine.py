@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from kvstore import Namespace, StoreClient, prefix_keys
-from tests.support.server_process import ALPHA, ServerProcess, base_flags
+from tests.support.server_process import ALPHA, ServerProcess
 from tests.support.vllm_fixtures import (
     BLOCK,
     OTHER_ISA,
@@ -55,17 +55,6 @@ MODEL_ID = "tiny-llama"
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("vllm")
-
-
-@pytest.fixture(scope="module")
-def store(root: Path) -> Iterator[ServerProcess]:
-    workdir = root / "store"
-    workdir.mkdir()
-    server = ServerProcess(workdir, base_flags(workdir)).start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

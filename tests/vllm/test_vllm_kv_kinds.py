@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from kvstore import Namespace, prefix_keys
-from tests.support.server_process import ALPHA, ServerProcess, base_flags
+from tests.support.server_process import ALPHA, ServerProcess
 from tests.support.vllm_fixtures import (
     BLOCK,
     TINY,
@@ -53,17 +53,6 @@ WINDOW_ID = "tiny-mistral-window"
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("vllm-fp8")
-
-
-@pytest.fixture(scope="module")
-def store(root: Path) -> Iterator[ServerProcess]:
-    workdir = root / "store"
-    workdir.mkdir()
-    server = ServerProcess(workdir, base_flags(workdir)).start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def _three(model: str, extra: dict[str, object], **kw: str) -> dict[str, EngineSpec]:
