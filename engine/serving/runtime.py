@@ -223,7 +223,9 @@ class WorkerEngine:
             len(h.prompt) + max_tokens, start, gen_box, max_tokens, stop_ids, skip_first=True
         ):
             tokens += [item["token"]] if "token" in item else []
-            if item.get("done"):  # stored before the end goes out: a next turn finds it
+            # stored before the end goes out (a next turn finds it), unless the KV it
+            # decoded from is not what the prefill computed (a first-token mismatch)
+            if item.get("done") and not dw.first_token_mismatches:
                 await self._keep_answer(h.prompt, tokens, dw.last_cache, source or self.local)
             yield item
         self.counters["tail_recomputed"] += dw.tail_recomputed

@@ -242,8 +242,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--save-decode",
         action="store_true",
-        help="store each whole answer's full blocks in the store node beside this worker, "
-        "so a chat's next turn, whose prompt repeats the answer, finds its whole history",
+        help="store each whole answer's full blocks in the store node holding its prompt's "
+        "(a handoff's source), so a chat's next turn, whose prompt repeats the answer, "
+        "finds its whole history",
     )
     p.add_argument(
         "--no-calibrate",

@@ -130,7 +130,8 @@ def windowed(kv_cache_config: KVCacheConfig) -> bool:
     # (A full-attention spec may name a window too: it keeps every block all the same.)
     names = ("SlidingWindowSpec", "ChunkedLocalAttentionSpec", "RSWASpec", "CircularBufferSpec")
     windowed_kinds = tuple(getattr(kinds, n) for n in names if hasattr(kinds, n))
-    return isinstance(kv_cache_config.kv_cache_groups[0].kv_cache_spec, windowed_kinds)
+    groups = kv_cache_config.kv_cache_groups
+    return bool(groups) and isinstance(groups[0].kv_cache_spec, windowed_kinds)
 
 
 def namespace_for(

@@ -47,6 +47,11 @@ logger = logging.getLogger("vllm.kvstore")
 NULL_PAGE = 0
 
 
+def _plain(request: Any) -> bool:
+    """Whether the request's token ids name its inputs (no images, no embeddings)."""
+    return not request.mm_features and getattr(request, "prompt_embeds", None) is None
+
+
 def _real(keys: Sequence[bytes], page_ids: Sequence[int]) -> tuple[list[bytes], list[int]]:
     """The (key, page) pairs whose page is a real block, not the null one."""
     pairs = [(k, p) for k, p in zip(keys, page_ids, strict=True) if p != NULL_PAGE]
@@ -67,6 +72,7 @@ class _RequestState:
 
     keys: list[bytes]  # keys of the prompt's full blocks (with save_decode, the answer's)
     request: Request | None = None  # the live request (save_decode: its tokens grow)
+    root: bytes | None = None  # where its key chain starts (engine/vllm/keys.py)
     local_tokens: int = 0  # tokens vLLM had locally at the latest lookup
     stored: int = 0  # leading blocks the store held at the latest lookup
     planned: int = 0  # leading blocks stored or already handed to the worker for saving
@@ -101,17 +107,18 @@ class SchedulerSide:
         st = self._reqs.get(request.request_id)
         if st is None:
             keys: list[bytes] = []
-            plain = not request.mm_features and getattr(request, "prompt_embeds", None) is None
+            root: bytes | None = None
+            plain = _plain(request)
             if plain:  # else no keys: placeholder ids do not name multimodal inputs
                 lora = getattr(request, "lora_request", None)
                 root = chain_root(
                     self.namespace, self.block_size,
-                    lora=lora.lora_name if lora is not None else None,
+                    lora=f"{lora.lora_name}@{lora.lora_path}" if lora is not None else None,
                     salt=getattr(request, "cache_salt", None),
                 )  # fmt: skip
                 ids = request.prompt_token_ids or []
                 keys = list(prefix_keys(ids, self.block_size, self.namespace, parent=root))
-            st = self._reqs[request.request_id] = _RequestState(keys=keys)
+            st = self._reqs[request.request_id] = _RequestState(keys=keys, root=root)
             if plain and self.save_decode:
                 st.request = request
         return st
@@ -195,12 +202,15 @@ class SchedulerSide:
         continuing the chain from its last key (the prompt's, then the answer's)."""
         if st.request is None or computed <= len(st.keys):
             return
+        if not _plain(st.request):  # a streamed session that gained images since
+            st.request = None
+            return
         B = self.block_size
         tokens = st.request.all_token_ids
         upto = min(computed, len(tokens) // B)
         if upto <= len(st.keys):
             return
-        parent = st.keys[-1] if st.keys else None
+        parent = st.keys[-1] if st.keys else st.root  # a short prompt: its own root
         more = prefix_keys(tokens[len(st.keys) * B : upto * B], B, self.namespace, parent=parent)
         prompt_blocks = st.request.num_prompt_tokens // B
         self.stats.decode_blocks += upto - max(len(st.keys), prompt_blocks)

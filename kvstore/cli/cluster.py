@@ -104,7 +104,7 @@ def _add_up(sub: Any) -> None:
     up.add_argument(
         "--save-decode",
         action="store_true",
-        help="workers store each whole answer's blocks too (a chat's next turn hits them)",
+        help="decode workers store each whole answer's blocks too (a chat's next turn hits them)",
     )
     up.add_argument("--json", action="store_true", help="print the ready document as JSON")
     add_etcd_flags(up)

@@ -75,6 +75,10 @@ def test_a_whole_answer_is_stored_for_the_next_turn() -> None:
         assert store_answer(ad, node, p, answer, dw.last_cache) == 4 - 2  # blocks 2, 3
         assert store_answer(ad, node, p, answer, dw.last_cache) == 0  # stored already
         nxt = p + answer + [rng.randrange(512) for _ in range(20)]
+        with torch.no_grad():  # the answer's blocks hold its KV: a cold forward's, in fp32
+            cold = model(torch.tensor([nxt[:64]]), use_cache=True).past_key_values
+        for i, want in enumerate(ad.blocks_from_cache(cold, 2, 4), 2):
+            torch.testing.assert_close(node.get(ad.keys(nxt)[i]), want, atol=1e-4, rtol=1e-4)
         h, cache = pw.prefill_with_cache("r2", nxt)
         assert h.stats.cached_blocks == 4
         own = list(greedy_continue(model, cache, h.first_token, N_NEW))

@@ -647,6 +647,7 @@ def test_keys_name_what_the_kv_depends_on() -> None:
     name its inputs (no lookup, no save)."""
     from types import SimpleNamespace
 
+    from engine.vllm.keys import chain_root
     from engine.vllm.scheduler_side import SchedulerSide
 
     ns = Namespace("tiny-keys", "float32:L2:H2:D32:B32:R0")
@@ -668,7 +669,7 @@ def test_keys_name_what_the_kv_depends_on() -> None:
         )
         return [k for t in side.build_meta(so).saves for k in t.keys]  # type: ignore[arg-type]
 
-    lora = SimpleNamespace(lora_name="sql-adapter", lora_int_id=1)
+    lora = SimpleNamespace(lora_name="sql-adapter", lora_path="/adapters/sql", lora_int_id=1)
     kinds = {"plain": {}, "salt": {"cache_salt": "a"}, "salt2": {"cache_salt": "a"},
              "other": {"cache_salt": "b"}, "lora": {"lora_request": lora}}  # fmt: skip
     with StoreNode(dram_bytes="4MiB") as node:
@@ -690,6 +691,24 @@ def test_keys_name_what_the_kv_depends_on() -> None:
         assert side.matched_tokens(mm, 0) == 0 and planned(side, "mm") == []
         assert side.matched_tokens(request("emb", prompt_embeds=torch.zeros(1)), 0) == 0
         assert side.stats.lookups == lookups  # the store was never asked
+        # save_decode: a prompt shorter than a block chains its answer from its own
+        # root too (a salted answer never lands under the plain chain)
+        saver = SchedulerSide(ns, rs, ConnectorStats(), load_enabled=False, save_enabled=True,
+                              save_decode=True)  # fmt: skip
+        short = request("short", cache_salt="a")
+        short.prompt_token_ids, short.num_prompt_tokens = ids[:10], 10
+        short.all_token_ids = ids[:70]  # 60 generated
+        saver.matched_tokens(short, 0)
+        so = SimpleNamespace(
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=["short"], num_computed_tokens=[68]),
+            num_scheduled_tokens={"short": 1},  # the step computing token 69 of 70
+            kv_connector_block_state=SimpleNamespace(get_block_ids=lambda r: ([1, 2, 3],)),
+        )
+        saved = [k for t in saver.build_meta(so).saves for k in t.keys]  # type: ignore[arg-type]
+        root = chain_root(ns, 32, salt="a")
+        assert saved == list(prefix_keys(ids[:64], 32, ns, parent=root))
+        assert not set(saved) & set(prefix_keys(ids[:64], 32, ns))
 
 
 def test_quantized_cache_names() -> None:
