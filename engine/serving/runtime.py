@@ -218,15 +218,16 @@ class WorkerEngine:
             return first
 
         self.counters["decodes"] += 1
-        tokens = [h.first_token]  # the router sent it; the stream starts after it
-        async for item in self._stream(
+        stream = self._stream(
             len(h.prompt) + max_tokens, start, gen_box, max_tokens, stop_ids, skip_first=True
-        ):
-            tokens += [item["token"]] if "token" in item else []
-            # stored before the end goes out (a next turn finds it), unless the KV it
-            # decoded from is not what the prefill computed (a first-token mismatch)
-            if item.get("done") and not dw.first_token_mismatches:
-                await self._keep_answer(h.prompt, tokens, dw.last_cache, source or self.local)
+        )
+
+        def decoded() -> Any:  # none when its KV is not what the prefill computed
+            return None if dw.first_token_mismatches else dw.last_cache
+
+        # the router sent the first token; the stream starts after it
+        answer = self._keeping(stream, h.prompt, [h.first_token], decoded, source or self.local)
+        async for item in answer:
             yield item
         self.counters["tail_recomputed"] += dw.tail_recomputed
         self.counters["handoff_from_cluster"] += reader.from_cluster
@@ -249,27 +250,42 @@ class WorkerEngine:
             }
         }
         gen_box = [greedy_continue(self.lm.model, cache, h.first_token, max_tokens, set(stop_ids))]
-        tokens: list[int] = []
-        async for item in self._stream(
+        stream = self._stream(
             len(prompt) + max_tokens,
             lambda: next(gen_box[0]),
             gen_box,
             max_tokens,
             stop_ids,
             skip_first=False,
-        ):
-            tokens += [item["token"]] if "token" in item else []
-            if item.get("done"):
-                await self._keep_answer(prompt, tokens, cache, self.local)
+        )
+        async for item in self._keeping(stream, prompt, [], lambda: cache, self.local):
+            yield item
+
+    async def _keeping(
+        self,
+        stream: AsyncIterator[dict[str, Any]],
+        prompt: Sequence[int],
+        tokens: list[int],
+        cache: Callable[[], Any],
+        store: GuardedStore | None,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """``stream``'s items; with ``save_decode``, the whole answer (``tokens`` so far,
+        then the stream's) has its full blocks stored in ``store`` after its last token
+        went out and before its end does (the client's next turn cannot come sooner).
+        ``cache()``: the answer's cache, None when it must not be stored."""
+        async for item in stream:
+            if "token" in item:
+                tokens.append(item["token"])
+            elif item.get("done") and self.save_decode:
+                await self._keep_answer(prompt, tokens, cache(), store)
             yield item
 
     async def _keep_answer(
         self, prompt: Sequence[int], tokens: list[int], cache: Any, store: GuardedStore | None
     ) -> None:
-        """With ``save_decode``, store a whole answer's full blocks in ``store``: after
-        its last token went out, before its end did (the client's next turn cannot
-        come sooner). A failed write is a later miss, never this answer's error."""
-        if not self.save_decode or store is None or cache is None:
+        """Store a whole answer's full blocks in ``store``. A failed write is a later
+        miss, never this answer's error."""
+        if store is None or cache is None:
             return
         try:
             n = await self._run(lambda: store_answer(self.adapter, store, prompt, tokens, cache))
