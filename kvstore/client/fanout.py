@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from kvstore.copies.caller import caller_stream, on_stream
+from kvstore.copies.caller import Caller, as_caller, capture
 from kvstore.errors import ClosedError, KVStoreError, TimeoutError_
 
 __all__ = ["FanOut", "Groups", "Item", "leading_run", "pick", "raise_any", "scatter", "share"]
@@ -37,9 +37,10 @@ Groups = list[tuple[int, list[int]]]  # (shard, positions of its keys in the cal
 Item = tuple[str, list[int]]  # a node id and the positions of the call's keys it gets
 
 
-def _on_stream(stream: Any, call: Callable[[], T]) -> T | KVStoreError:
-    """``_outcome(call)`` on a pool thread, under the caller's CUDA stream."""
-    with on_stream(stream):
+def _as_caller(caller: Caller | None, call: Callable[[], T]) -> T | KVStoreError:
+    """``_outcome(call)`` on a pool thread, under the caller's CUDA streams and
+    inference mode (kvstore/copies/caller.py)."""
+    with as_caller(caller):
         return _outcome(call)
 
 
@@ -68,9 +69,9 @@ class FanOut:
             return []
         if len(calls) == 1:
             return [_outcome(calls[0])]
-        pool, stream = self._executor(), caller_stream()  # the pool copies after the caller
+        pool, caller = self._executor(), capture()  # the pool copies as the caller would
         futures: list[Future[T | KVStoreError]] = [
-            pool.submit(_on_stream, stream, c) for c in calls[1:]
+            pool.submit(_as_caller, caller, c) for c in calls[1:]
         ]
         failure: BaseException | None = None
         out: list[T | KVStoreError] = []
@@ -103,10 +104,10 @@ class FanOut:
         if len(pairs) <= 1:
             outs: Any = [one(it) for it in pairs]
         else:
-            stream = caller_stream()  # the pool's threads copy after the caller's work
+            caller = capture()  # the pool's threads copy as the caller would
 
             def on_callers(item: Item) -> Any:
-                with on_stream(stream):
+                with as_caller(caller):
                     return one(item)
 
             outs = self._executor().map(on_callers, pairs)

@@ -48,7 +48,7 @@ from kvstore.client.faults import FaultyConnector
 from kvstore.client.layered import AsyncLayeredPut, LayeredPut, LinkLayeredPut, block_info
 from kvstore.client.transport.base import LayerSink, Link, Links, Transport
 from kvstore.config import ClientConfig
-from kvstore.copies.caller import with_caller_stream
+from kvstore.copies.caller import with_caller
 from kvstore.errors import (
     BlockTooLarge,
     ConfigError,
@@ -505,7 +505,7 @@ class AsyncNodeClient:
         if check:
             self.sync._check_open()
         loop = asyncio.get_running_loop()
-        call = with_caller_stream(functools.partial(fn, *args, **kw))  # copies after its work
+        call = with_caller(functools.partial(fn, *args, **kw))  # copies after its work
         return await loop.run_in_executor(self._pool, call)
 
     async def begin_layers(

@@ -1,15 +1,26 @@
-"""The caller's CUDA stream, carried to the threads that run parts of its call.
+"""The caller's CUDA streams and inference mode, carried to the threads that run parts
+of its call.
 
 Why: a copy batch is ordered after the work its caller queued on its *current* CUDA
 stream (engine.py, ``begin(after_caller=True)``): a put from a tensor an engine is
 still writing on a side stream copies it only once it is written. But a call split
 over shards or nodes runs its parts on pool threads (kvstore/client/fanout.py), and an
 async client's calls run on its executor (kvstore/client/store.py); a pool thread's
-current stream is the device's default stream, not the caller's. So the caller's
-stream is captured on the calling thread (:func:`caller_stream`) and each part runs
-under it (:func:`on_stream`).
+current stream is each device's default stream, not the caller's, and its current
+device is device 0. So the caller's state is captured on the calling thread
+(:func:`capture`) and each part runs under it (:func:`as_caller`):
 
-Nothing happens, and torch is not imported, in a process that has not started CUDA.
+- **streams**: the current stream of every device on which the caller made a
+  non-default stream current, and of the caller's current device (entered last, so a
+  bare ``"cuda"`` names the same device on the pool thread). Devices the caller never
+  touched are not touched here: making one current would create a CUDA context on it;
+- **inference mode**: an engine's forward runs under ``torch.inference_mode()``, and
+  the tensors it allocates there (the KV a prefill loads a prefix into) are inference
+  tensors, which torch lets only a thread in inference mode update in place. A pool
+  thread landing the caller's blocks in them with ``Tensor.copy_`` (every CUDA copy)
+  therefore enters inference mode when the caller was in it.
+
+Nothing happens, and torch is not imported, in a process that has not imported it.
 """
 
 from __future__ import annotations
@@ -17,40 +28,73 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
-__all__ = ["caller_stream", "on_stream", "with_caller_stream"]
+__all__ = ["Caller", "as_caller", "capture", "with_caller"]
 
 T = TypeVar("T")
 
 
-def caller_stream() -> Any | None:
-    """The calling thread's current CUDA stream, or None when this process has not
-    started CUDA (then no copy of this call can be a device copy)."""
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """What a pool thread must share with the thread whose call it runs a part of."""
+
+    inference: bool
+    streams: tuple[Any, ...]  # CUDA streams to make current, the caller's device's last
+
+
+def _streams(torch: Any) -> tuple[Any, ...]:
+    """The caller's current CUDA streams worth carrying (see the module docstring)."""
+    if not torch.cuda.is_initialized():
+        return ()
+    here = torch.cuda.current_device()
+    others = []
+    for i in range(torch.cuda.device_count()):
+        if i == here:
+            continue
+        s = torch.cuda.current_stream(i)  # reads state: no context is made
+        if s != torch.cuda.default_stream(i):
+            others.append(s)
+    return (*others, torch.cuda.current_stream(here))
+
+
+def capture() -> Caller | None:
+    """The calling thread's state to carry, or None when there is none (torch not
+    imported, or no CUDA and no inference mode: a part then runs as it is)."""
     torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_initialized():
+    if torch is None:
         return None
-    return torch.cuda.current_stream()
+    inference = bool(torch.is_inference_mode_enabled())
+    streams = _streams(torch)
+    if not inference and not streams:
+        return None
+    return Caller(inference, streams)
 
 
 @contextlib.contextmanager
-def on_stream(stream: Any | None) -> Iterator[None]:
-    """Make ``stream`` (from :func:`caller_stream`) this thread's current one meanwhile."""
-    if stream is None:
+def as_caller(caller: Caller | None) -> Iterator[None]:
+    """Run the body under ``caller``'s streams and inference mode (from :func:`capture`)."""
+    if caller is None:
         yield
         return
-    with sys.modules["torch"].cuda.stream(stream):
+    torch = sys.modules["torch"]
+    with contextlib.ExitStack() as stack:
+        if caller.inference:
+            stack.enter_context(torch.inference_mode())
+        for stream in caller.streams:
+            stack.enter_context(torch.cuda.stream(stream))
         yield
 
 
-def with_caller_stream(fn: Callable[[], T]) -> Callable[[], T]:
-    """``fn``, to run on another thread under the stream current here and now."""
-    stream = caller_stream()
-    if stream is None:
+def with_caller(fn: Callable[[], T]) -> Callable[[], T]:
+    """``fn``, to run on another thread as the thread here and now would."""
+    caller = capture()
+    if caller is None:
         return fn
 
     def run() -> T:
-        with on_stream(stream):
+        with as_caller(caller):
             return fn()
 
     return run

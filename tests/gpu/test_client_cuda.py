@@ -155,3 +155,34 @@ def test_an_async_put_from_a_side_stream_copies_after_the_callers_work(
     assert all(
         torch.equal(torch.as_tensor(g).view(h.shape), h) for g, h in zip(got, host, strict=True)
     )
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_sharded_read_lands_in_an_engines_inference_tensors(
+    tmp_path: Any, transport: str
+) -> None:
+    """A prefill loads its prefix under ``torch.inference_mode()`` into tensors it
+    allocated there; a sharded node's parts land on pool threads, whose in-place CUDA
+    copies torch refuses outside inference mode unless the caller's mode is carried
+    (kvstore/copies/caller.py). A side stream current at the call is carried too."""
+    import torch
+
+    from tests.support.server_process import base_flags
+
+    flags = base_flags(tmp_path)
+    flags.update(shards=2, dram_bytes="32MiB", max_value_bytes="4MiB")
+    srv = ServerProcess(tmp_path, flags).start()
+    try:
+        with checks.device_client(srv, transport) as c:
+            keys = checks.fresh_keys(12)
+            values = checks.blocks(12, "cpu", seed=11)
+            assert c.batch_put(keys, values) == [True] * 12
+            side = torch.cuda.Stream()
+            with torch.inference_mode(), torch.cuda.stream(side):
+                outs = [torch.empty_like(values[0], device="cuda") for _ in keys]
+                assert c.batch_get_into(keys, outs) == [True] * 12
+                side.synchronize()
+            for v, out in zip(values, outs, strict=True):
+                assert torch.equal(out.cpu().view(torch.int16), v.view(torch.int16))
+    finally:
+        srv.stop()
