@@ -18,7 +18,9 @@ device is device 0. So the caller's state is captured on the calling thread
   the tensors it allocates there (the KV a prefill loads a prefix into) are inference
   tensors, which torch lets only a thread in inference mode update in place. A pool
   thread landing the caller's blocks in them with ``Tensor.copy_`` (every CUDA copy)
-  therefore enters inference mode when the caller was in it.
+  therefore enters inference mode when the caller was in it. (The copies' flat byte
+  views escape that check today only because torch 2.13 makes a dtype view of an
+  inference tensor, taken outside inference mode, a normal tensor: not a contract.)
 
 Nothing happens, and torch is not imported, in a process that has not imported it.
 """
