@@ -52,8 +52,10 @@ __all__ = [
     "Handoff",
     "PrefillStats",
     "PrefillWorker",
+    "answer_blocks",
     "greedy_continue",
     "scoped_keys",
+    "store_answer",
 ]
 
 log = logging.getLogger(__name__)
@@ -153,6 +155,28 @@ def greedy_continue(
         tok = int(out.logits[0, -1].argmax())
 
 
+def answer_blocks(
+    adapter: HFKVAdapter, prompt: Sequence[int], tokens: Sequence[int], cache: Any
+) -> tuple[list[bytes], torch.Tensor] | None:
+    """The full blocks of a generated answer that its cache holds, keyed by the chain of
+    prompt and answer (what a chat's next turn, whose prompt repeats the answer, looks
+    up): their keys and one staging tensor of them on the cache's device, or None when
+    there is nothing to store.
+
+    The last generated token was never fed back, so the cache holds the prompt and
+    the answer but its last token; a cache of any other length (a stream cut short, a
+    cache that is not this answer's) gives nothing, so no block's bytes can be
+    another token's. The prompt's own full blocks were stored by its prefill."""
+    ids = list(prompt) + list(tokens[:-1])
+    if cache is None or not tokens or cache.get_seq_length() != len(ids):
+        return None
+    B = adapter.block_tokens
+    start, stop = len(prompt) // B, len(ids) // B
+    if stop <= start:
+        return None
+    return list(adapter.keys(ids)[start:stop]), adapter.gather(cache, start, stop)
+
+
 def store_answer(
     adapter: HFKVAdapter,
     store: BlockStore,
@@ -160,24 +184,11 @@ def store_answer(
     tokens: Sequence[int],
     cache: Any,
 ) -> int:
-    """Store the full blocks of a generated answer that its cache holds, keyed by the
-    chain of prompt and answer (what a chat's next turn, whose prompt repeats the
-    answer, looks up); returns how many were newly stored.
-
-    The last generated token was never fed back, so the cache holds the prompt and
-    the answer but its last token; a cache of any other length (a stream cut short, a
-    cache that is not this answer's) stores nothing, so no block's bytes can be
-    another token's. The prompt's own full blocks were stored by its prefill."""
-    ids = list(prompt) + list(tokens[:-1])
-    if cache is None or not tokens or cache.get_seq_length() != len(ids):
+    """Store :func:`answer_blocks` in ``store``; returns how many were newly stored."""
+    got = answer_blocks(adapter, prompt, tokens, cache)
+    if got is None:
         return 0
-    B = adapter.block_tokens
-    start, stop = len(prompt) // B, len(ids) // B
-    if stop <= start:
-        return 0
-    keys = adapter.keys(ids)
-    res = adapter.put_blocks(store, keys[start:stop], adapter.gather(cache, start, stop))
-    return sum(r is True for r in res)
+    return sum(r is True for r in adapter.put_blocks(store, *got))
 
 
 def _as_ids(prompt: Sequence[int] | torch.Tensor) -> list[int]:

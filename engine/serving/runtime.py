@@ -4,6 +4,10 @@ All model work runs on a single executor thread, one forward at a time, which is
 what a CPU (or one accelerator) can do anyway. A prefill is one job; a decode is one
 job per token, so concurrent decodes interleave token by token and a prefill waits
 at most one decode step. The asyncio side (the HTTP app) only awaits these jobs.
+Storing a finished answer's blocks (``save_decode``) is two jobs: gathering them on
+the device, on the model thread, then writing them, on one of a few threads of their
+own: a store node that is slow or hung holds only that answer's end (up to its
+client's timeout), never the other streams' tokens.
 
 Load is accounted here, where it happens, and reported through ``on_load`` (the
 worker's etcd registration): prompt tokens waiting for or in prefill, requests
@@ -29,17 +33,20 @@ from engine.hf.workers import (
     DecodeWorker,
     Handoff,
     PrefillWorker,
+    answer_blocks,
     greedy_continue,
-    store_answer,
 )
 from engine.planning.scheduler import PrefillModel, PrefillSample, fit_prefill_model
 from engine.registry import WorkerLoad, codec_label
 from engine.serving.loading import LoadedModel
 from engine.serving.prompts import PromptEncoder
 from engine.serving.stores import HandoffReader
+from kvstore.copies.caller import with_caller
 from kvstore.errors import KVStoreError
 
-__all__ = ["Faults", "WorkerEngine", "calibrate_prefill"]
+__all__ = ["ANSWER_WRITERS", "Faults", "WorkerEngine", "calibrate_prefill"]
+
+ANSWER_WRITERS = 4  # answers whose blocks are written at once (save_decode)
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +108,7 @@ class WorkerEngine:
         self.faults = faults
         self.on_load = on_load
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="model")
+        self._writer = ThreadPoolExecutor(ANSWER_WRITERS, thread_name_prefix="answers")
         self._encoder: PromptEncoder | None = None
         self._load = _Load()
         self.counters: dict[str, int] = {
@@ -133,6 +141,7 @@ class WorkerEngine:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._writer.shutdown(wait=False, cancel_futures=True)
 
     # -- prompts ---------------------------------------------------------------------------
 
@@ -283,16 +292,28 @@ class WorkerEngine:
     async def _keep_answer(
         self, prompt: Sequence[int], tokens: list[int], cache: Any, store: GuardedStore | None
     ) -> None:
-        """Store a whole answer's full blocks in ``store``. A failed write is a later
-        miss, never this answer's error."""
+        """Store a whole answer's full blocks in ``store``: gathered on the model thread,
+        written on the answers thread (under the model thread's stream, so the write
+        copies after the gather). A failed write is a later miss, never this answer's
+        error."""
         if store is None or cache is None:
             return
+        ad = self.adapter
+
+        def gather() -> Callable[[], list[Any]] | None:
+            got = answer_blocks(ad, prompt, tokens, cache)
+            return None if got is None else with_caller(lambda: ad.put_blocks(store, *got))
+
         try:
-            n = await self._run(lambda: store_answer(self.adapter, store, prompt, tokens, cache))
+            write = await self._run(gather)
+            if write is None:
+                return
+            loop = asyncio.get_running_loop()
+            res = await loop.run_in_executor(self._writer, write)
         except Exception as exc:  # best effort: the answer is whole, whatever happens here
             log.warning("could not store an answer's blocks (%s: %s)", type(exc).__name__, exc)
             return
-        self.counters["answer_blocks"] += n
+        self.counters["answer_blocks"] += sum(r is True for r in res)
 
     async def _stream(
         self,
