@@ -20,7 +20,8 @@ probe too (kvstore/client/sharded.py), not a connect retried for its whole timeo
 A timeout under a deadline shorter than the client's own (a caller's ``timeout=``, a
 cluster client's share of its deadline) may be the caller's hurry rather than the
 shard's fault: one such timeout is a *strike*, and :data:`HURRIED_STRIKES` in a row,
-with no success between, make the shard suspect. So one impatient caller does not
+with no success between and each within :data:`STRIKE_S` of the last, make the shard
+suspect. So one impatient caller does not
 turn a busy shard into a second of misses for every thread, and a hung shard still
 costs a bounded number of timeouts per hold whoever calls it.
 """
@@ -35,7 +36,7 @@ from collections.abc import Callable, Sequence
 from kvstore.errors import KVStoreError, TimeoutError_, TransportError, Unavailable
 from kvstore.observe.counters import NodeCounters
 
-__all__ = ["HURRIED_STRIKES", "SHARD_FAILURES", "SUSPECT_S", "ShardSuspects"]
+__all__ = ["HURRIED_STRIKES", "SHARD_FAILURES", "STRIKE_S", "SUSPECT_S", "ShardSuspects"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,10 @@ SHARD_FAILURES = (Unavailable, TransportError, TimeoutError_)
 
 HURRIED_STRIKES = 2
 """Timeouts under a caller's shorter deadline, in a row, that make a shard suspect."""
+
+STRIKE_S = 5.0
+"""How long a strike counts: a busy shard that times out a hurried call now and then,
+with no call in between to succeed, is not held for it."""
 
 
 class ShardSuspects:
@@ -71,7 +76,7 @@ class ShardSuspects:
         self.clock = clock
         self._lock = threading.Lock()
         self._until: dict[int, tuple[float, str]] = {}  # shard -> (skip until, why)
-        self._strikes: dict[int, int] = {}  # shard -> hurried timeouts in a row
+        self._strikes: dict[int, tuple[int, float]] = {}  # shard -> (strikes in a row, last)
 
     def check(self, shard: int) -> None:
         """Raise Unavailable while ``shard`` is suspect (see the module docstring). Once
@@ -109,8 +114,11 @@ class ShardSuspects:
             return
         with self._lock:
             if hurried and isinstance(exc, TimeoutError_):
-                strikes = self._strikes[shard] = self._strikes.get(shard, 0) + 1
-                if strikes < HURRIED_STRIKES:
+                now = self.clock()
+                count, last = self._strikes.get(shard, (0, now))
+                count = 1 if now - last > STRIKE_S else count + 1
+                self._strikes[shard] = (count, now)
+                if count < HURRIED_STRIKES:
                     return
             self._strikes.pop(shard, None)
             fresh = shard not in self._until

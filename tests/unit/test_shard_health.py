@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.client.shard_health import ShardSuspects
+from kvstore.client.shard_health import STRIKE_S, ShardSuspects
 from kvstore.errors import (
     CapacityError,
     InvalidKey,
@@ -162,3 +162,18 @@ def test_hurried_timeouts_make_a_shard_suspect_only_in_a_row() -> None:
     s.failed(1, TransportError("reset"), hurried=True)  # not a timeout: at once
     with pytest.raises(Unavailable):
         s.check(1)
+
+
+def test_a_strike_expires() -> None:
+    """Two hurried timeouts far apart, with no call between to succeed, are a busy
+    shard's bad moments, not a hung shard: the older strike has expired."""
+    clock = Clock()
+    s = ShardSuspects("g", ["h:1"], Probe(), NodeCounters(), 1.0, clock=clock)
+    s.failed(0, TimeoutError_("slow"), hurried=True)
+    clock.now += STRIKE_S + 0.5
+    s.failed(0, TimeoutError_("slow"), hurried=True)
+    s.check(0)  # one live strike: not suspect
+    clock.now += STRIKE_S / 2
+    s.failed(0, TimeoutError_("slow"), hurried=True)  # two within STRIKE_S of each other
+    with pytest.raises(Unavailable):
+        s.check(0)
