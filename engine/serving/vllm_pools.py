@@ -60,6 +60,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engine.registry import WorkerRecord
+from engine.serving.vllm_adapters import UNKNOWN, Adapters
 from engine.serving.vllm_members import PoolMembers
 from engine.serving.vllm_resume import Answer, StreamRelay, resumable, with_token_ids
 from engine.vllm.keys import chain_root
@@ -168,6 +169,8 @@ class Pools:
         self._stores: dict[str, StoreClient] = {}  # address -> client (cache checks)
         self._stores_lock = threading.Lock()  # checks run in worker threads
         self._http: httpx.AsyncClient | None = None
+        served = {config.model, config.served_model} - {""}
+        self.adapters = Adapters(self._models, served)  # LoRA adapters, for the check
         self.stats = {
             "requests": 0, "prefill_skipped": 0, "prefill_failed": 0, "stream_resumes": 0,
         }  # fmt: skip
@@ -225,14 +228,18 @@ class Pools:
         return Namespace(**rec.namespace), rec.block_tokens, store
 
     def cached_blocks(
-        self, ids: list[int], target: tuple[Namespace, int, str], salt: str | None = None
+        self,
+        ids: list[int],
+        target: tuple[Namespace, int, str],
+        salt: str | None = None,
+        lora: str | None = None,
     ) -> tuple[int, int]:
         """(blocks the store holds of the prompt's leading full blocks, full blocks),
-        keyed as the connector keys them (a ``cache_salt`` roots a chain of its own:
-        engine/vllm/keys.py; a LoRA adapter's requests are checked as the base model's,
-        which the router cannot tell apart, so their prefill may be skipped in vain)."""
+        keyed as the connector keys them: a LoRA adapter (``lora``: ``name@path``,
+        engine/serving/vllm_adapters.py) and a ``cache_salt`` root chains of their own
+        (engine/vllm/keys.py)."""
         namespace, block_size, store = target
-        root = chain_root(namespace, block_size, salt=salt)
+        root = chain_root(namespace, block_size, lora=lora, salt=salt)
         keys = prefix_keys(ids, block_size, namespace, parent=root)
         if not keys or not store:
             return 0, len(keys)
@@ -332,7 +339,13 @@ class Pools:
             ids = await asyncio.to_thread(self.token_ids, path, body)
             target = self.check_target(near)
             salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-            cached, full = await asyncio.to_thread(self.cached_blocks, ids, target, salt)
+            lora = await self.adapters.lora(body.get("model"))
+            if lora is UNKNOWN:  # no server lists it: never skip its prefill
+                cached, full = 0, 0
+            else:
+                cached, full = await asyncio.to_thread(
+                    self.cached_blocks, ids, target, salt, lora or None
+                )
             uncached = max(len(ids) - cached * target[1], 0)  # what the prefill computes
         except Exception as exc:  # the check is an optimization: never fail a request on it
             log.warning("cache check skipped (%s: %s)", type(exc).__name__, exc)
@@ -461,6 +474,14 @@ class Pools:
         s.in_flight -= 1
         if broke:
             s.failures += 1
+
+    async def _models(self) -> dict[str, Any]:
+        """A decode server's ``/v1/models`` body (its LoRA adapters for the check)."""
+        if not self.decode:
+            raise RuntimeError("no decode server in the pool")
+        r = await self.http().get(self._least_busy(self.decode)[0].url + "/v1/models")
+        r.raise_for_status()
+        return dict(r.json())
 
     async def models(self, request: Request) -> Response:
         if not self.decode:

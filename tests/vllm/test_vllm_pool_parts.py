@@ -11,6 +11,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import pytest
 
 from engine.registry import WorkerLoad, WorkerRecord
@@ -174,3 +175,85 @@ def test_least_busy_counts_the_servers_own_load_and_prefers_the_near_store() -> 
     assert near == ["http://c", "http://a", "http://b"]
     ns, block, store = pools.check_target(pools.decode[1])
     assert (ns, block, store) == (Namespace("m", LAYOUT, "default"), 32, "")  # node unknown
+
+
+# -- LoRA adapters for the cache check (engine/serving/vllm_adapters.py) -------------------
+
+
+def _models_list(*adapters: tuple[str, str]) -> dict[str, Any]:
+    """A ``/v1/models`` body as vLLM writes it: the base model, then each adapter with
+    its path (``root``) and base model (``parent``)."""
+    cards = [{"id": "tiny", "root": "/models/tiny", "parent": None}]
+    cards += [{"id": n, "root": p, "parent": "tiny"} for n, p in adapters]
+    return {"object": "list", "data": cards}
+
+
+def test_adapters_name_their_path_as_the_connector_does_and_refresh_when_unknown() -> None:
+    import asyncio
+
+    from engine.serving.vllm_adapters import BASE, REFRESH_S, UNKNOWN, Adapters
+
+    now = [0.0]
+    served = [_models_list(("sql", "/adapters/sql"))]
+    calls: list[float] = []
+
+    async def fetch() -> dict[str, Any]:
+        calls.append(now[0])
+        return served[-1]
+
+    async def body() -> None:
+        a = Adapters(fetch, {"/models/tiny"}, clock=lambda: now[0])
+        assert await a.lora("/models/tiny") == BASE and await a.lora(None) == BASE
+        assert calls == []  # the base model needs no list
+        assert await a.lora("sql") == "sql@/adapters/sql"
+        assert await a.lora("tiny") == BASE  # the base model's served name, learned
+        assert await a.lora("chat") is UNKNOWN and len(calls) == 1  # asked again later
+        served.append(_models_list(("sql", "/adapters/sql"), ("chat", "/adapters/chat")))
+        now[0] += REFRESH_S
+        assert await a.lora("chat") == "chat@/adapters/chat" and len(calls) == 2
+        assert await a.lora("sql") == "sql@/adapters/sql" and len(calls) == 2
+
+    asyncio.run(body())
+
+
+def test_a_model_list_that_cannot_be_read_leaves_requests_unchecked() -> None:
+    import asyncio
+
+    from engine.serving.vllm_adapters import UNKNOWN, Adapters
+
+    async def fetch() -> dict[str, Any]:
+        raise OSError("connection refused")
+
+    async def body() -> None:
+        a = Adapters(fetch, {"tiny"})
+        assert await a.lora("sql") is UNKNOWN
+        assert await a.lora("tiny") == ""
+
+    asyncio.run(body())
+
+
+@pytest.mark.process
+def test_a_lora_prompts_check_uses_the_adapters_chain(store_server: Any) -> None:
+    """The router checks an adapter's prompt with the connector's keys (engine/vllm/keys.py):
+    rooted in the adapter's name and path. Blocks stored under it are found under it
+    only: not as the base model's, nor as the same adapter loaded from elsewhere."""
+    from engine.vllm.keys import chain_root
+    from kvstore import prefix_keys
+    from tests.support.server_process import ALPHA
+
+    ns = Namespace("tiny-lora-check", LAYOUT)
+    ids = list(range(100))
+    sql = prefix_keys(ids, 32, ns, parent=chain_root(ns, 32, lora="sql@/adapters/sql"))
+    with store_server.client(ALPHA, namespace=ns) as c:
+        shape = ns.kv_layout.block_shape()
+        assert c.batch_put(sql, [np.ones(shape, np.float32)] * 3) == [True] * 3
+    pools = _etcd_pools()
+    pools.config.token = ALPHA.token
+    try:
+        target = (ns, 32, store_server.address)
+        assert pools.cached_blocks(ids, target, lora="sql@/adapters/sql") == (3, 3)
+        assert pools.cached_blocks(ids, target) == (0, 3)
+        assert pools.cached_blocks(ids, target, lora="sql@/elsewhere") == (0, 3)
+    finally:
+        for client in pools._stores.values():
+            client.close()
