@@ -119,6 +119,34 @@ def write_tiny_llama(
     return path
 
 
+def write_tiny_lora(path: Path, model: Path, *, seed: int = 5, rank: int = 8) -> Path:
+    """A random LoRA adapter (PEFT's files) on the q and v projections of the model
+    :func:`write_tiny_llama` wrote (``TINY`` geometry), strong enough to change its
+    greedy answers."""
+    import torch
+    from safetensors.torch import save_file
+
+    if (path / "adapter_config.json").exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    g = TINY
+    hidden = g["heads"] * g["head_dim"]
+    outs = {"q_proj": hidden, "v_proj": g["kv_heads"] * g["head_dim"]}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for li in range(g["layers"]):
+        for name, out in outs.items():
+            at = f"base_model.model.model.layers.{li}.self_attn.{name}"
+            tensors[f"{at}.lora_A.weight"] = torch.randn(rank, hidden, generator=gen) * 0.2
+            tensors[f"{at}.lora_B.weight"] = torch.randn(out, rank, generator=gen) * 0.2
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+              "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+              "target_modules": sorted(outs), "base_model_name_or_path": str(model)}  # fmt: skip
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return path
+
+
 def engine_env(root: Path) -> dict[str, str]:
     """The environment of an engine child: loopback, private caches, small KV space."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}

@@ -166,10 +166,12 @@ def _router(root: Path, flags: list[str], name: str) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def serve_stack(root: Path, model: Path, dtype: str) -> Iterator[dict[str, Any]]:
-    """A store, prefill (kv_producer), decode (kv_consumer) and plain vLLM servers, and
-    the router in front of the first two: ``{"router": url, "model", "store", "prefill",
-    "decode", "plain"}``."""
+def serve_stack(
+    root: Path, model: Path, dtype: str, extra_args: Sequence[str] = ()
+) -> Iterator[dict[str, Any]]:
+    """A store, prefill (kv_producer), decode (kv_consumer) and plain vLLM servers (each
+    started with ``extra_args`` too), and the router in front of the first two:
+    ``{"router": url, "model", "store", "prefill", "decode", "plain"}``."""
     (root / "store").mkdir(exist_ok=True)
     with contextlib.ExitStack() as stack:
         store = ServerProcess(root / "store", base_flags(root / "store")).start()
@@ -177,7 +179,7 @@ def serve_stack(root: Path, model: Path, dtype: str) -> Iterator[dict[str, Any]]
         servers: dict[str, ApiServer] = {}
         for name, role in (("prefill", "kv_producer"), ("decode", "kv_consumer"), ("plain", "")):
             kv = connector(role, store) if role else None
-            servers[name] = ApiServer(model, root, name, kv, dtype)
+            servers[name] = ApiServer(model, root, name, kv, dtype, extra_args)
             stack.callback(servers[name].stop)
         for s in servers.values():
             s.wait_ready()

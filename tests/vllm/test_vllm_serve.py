@@ -21,7 +21,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from tests.support.server_process import ALPHA  # noqa: E402
-from tests.support.vllm_fixtures import BLOCK, write_tiny_llama  # noqa: E402
+from tests.support.vllm_fixtures import BLOCK, write_tiny_llama, write_tiny_lora  # noqa: E402
 from tests.support.vllm_serve import free_port, serve_stack, vllm_router  # noqa: E402
 
 pytestmark = pytest.mark.process
@@ -41,7 +41,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     cfg = json.loads(cfg_path.read_text())
     cfg["chat_template"] = CHAT_TEMPLATE
     cfg_path.write_text(json.dumps(cfg))
-    with serve_stack(root, model, "float32") as s:
+    adapter = write_tiny_lora(root / "sql-lora", model)
+    lora = ["--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"sql={adapter}"]
+    with serve_stack(root, model, "float32", lora) as s:
         yield {**s, "root": root}
 
 
@@ -139,6 +141,30 @@ def test_a_salted_prompt_shares_blocks_only_within_its_salt(stack: dict[str, Any
     assert first.parse().choices[0].text == want
     again = via.completions.with_raw_response.create(**salted)
     assert again.headers["x-kvstore-cached-blocks"] == "3/3"
+    assert again.parse().choices[0].text == want
+
+
+def test_a_lora_prompt_shares_blocks_only_under_its_adapter(stack: dict[str, Any]) -> None:
+    """A LoRA adapter's KV is not the base model's: the connector roots an adapter's
+    chain in its name and path, and the router, which learns both from the servers'
+    ``/v1/models``, checks with the same keys. A prompt stored for the base model is a
+    miss under the adapter (the prefill runs); once stored under it, a hit, and the
+    decode server's answer from those blocks is the plain server's."""
+    via = openai.OpenAI(base_url=stack["router"] + "/v1", api_key="unused")
+    plain = openai.OpenAI(base_url=stack["plain"].url + "/v1", api_key="unused")
+    base = dict(model=stack["model"], prompt=_prompt(7, 3 * BLOCK + 4), max_tokens=6,
+                temperature=0.0)  # fmt: skip
+    tuned = {**base, "model": "sql"}
+    want, want_base = (plain.completions.create(**a).choices[0].text for a in (tuned, base))
+    assert want != want_base  # the adapter changes the answer: its KV differs
+    assert via.completions.create(**base).choices[0].text == want_base  # stored as base
+    first = via.completions.with_raw_response.create(**tuned)
+    assert first.headers["x-kvstore-cached-blocks"] == "0/3"
+    assert first.headers["x-kvstore-prefill"] == stack["prefill"].url
+    assert first.parse().choices[0].text == want
+    again = via.completions.with_raw_response.create(**tuned)
+    assert again.headers["x-kvstore-cached-blocks"] == "3/3"
+    assert again.headers["x-kvstore-prefill"] == "skipped"
     assert again.parse().choices[0].text == want
 
 
