@@ -20,10 +20,12 @@ probe too (kvstore/client/sharded.py), not a connect retried for its whole timeo
 A timeout under a deadline shorter than the client's own (a caller's ``timeout=``, a
 cluster client's share of its deadline) may be the caller's hurry rather than the
 shard's fault: one such timeout is a *strike*, and :data:`HURRIED_STRIKES` in a row,
-with no success between and each within :data:`STRIKE_S` of the last, make the shard
-suspect. So one impatient caller does not
-turn a busy shard into a second of misses for every thread, and a hung shard still
-costs a bounded number of timeouts per hold whoever calls it.
+with no success between, make the shard suspect. A strike lapses when the next failing
+call started over :data:`STRIKE_S` after it (timed from the call's start, not its end,
+so a hung shard called one call at a time under a long deadline still gathers them).
+So one impatient caller does not turn a busy shard into a second of misses for every
+thread, and a hung shard still costs a bounded number of timeouts per hold whoever
+calls it.
 """
 
 from __future__ import annotations
@@ -106,17 +108,21 @@ class ShardSuspects:
             f"({why}); skipped for {max(until - now, 0.0):.1f} s more"
         )
 
-    def failed(self, shard: int, exc: KVStoreError, *, hurried: bool = False) -> None:
+    def failed(
+        self, shard: int, exc: KVStoreError, *, hurried: bool = False, started: float | None = None
+    ) -> None:
         """Record that ``shard`` failed a call with ``exc``; only node failures count.
         ``hurried``: the call ran under a deadline shorter than the client's own, so a
-        timeout is a strike (module docstring)."""
+        timeout is a strike (module docstring); ``started``: when that call began, by
+        :attr:`clock` (now when not given)."""
         if not isinstance(exc, SHARD_FAILURES):
             return
         with self._lock:
             if hurried and isinstance(exc, TimeoutError_):
                 now = self.clock()
-                count, last = self._strikes.get(shard, (0, now))
-                count = 1 if now - last > STRIKE_S else count + 1
+                began = now if started is None else started
+                count, last = self._strikes.get(shard, (0, began))
+                count = 1 if began - last > STRIKE_S else count + 1
                 self._strikes[shard] = (count, now)
                 if count < HURRIED_STRIKES:
                     return

@@ -182,11 +182,12 @@ class ShardedClient:
         timeout under a deadline shorter than the client's own only after a second in
         a row: kvstore/client/shard_health.py)."""
         self.suspects.check(shard)
+        started = self.suspects.clock()
         try:
             out = call(self.node(shard), idx)
         except KVStoreError as exc:
             hurried = timeout is not None and timeout < self.first.config.timeout_s
-            self.suspects.failed(shard, exc, hurried=hurried)
+            self.suspects.failed(shard, exc, hurried=hurried, started=started)
             raise
         self.suspects.succeeded(shard)
         return out

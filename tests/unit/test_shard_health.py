@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.client.shard_health import STRIKE_S, ShardSuspects
+from kvstore.client.shard_health import HURRIED_STRIKES, STRIKE_S, ShardSuspects
 from kvstore.errors import (
     CapacityError,
     InvalidKey,
@@ -175,5 +175,19 @@ def test_a_strike_expires() -> None:
     s.check(0)  # one live strike: not suspect
     clock.now += STRIKE_S / 2
     s.failed(0, TimeoutError_("slow"), hurried=True)  # two within STRIKE_S of each other
+    with pytest.raises(Unavailable):
+        s.check(0)
+
+
+def test_strikes_count_from_each_calls_start() -> None:
+    """A hung shard called one call at a time under a long hurried deadline (a cluster
+    client's share of 10 s): each strike ends over STRIKE_S after the last, yet each
+    call started right after it, so they are in a row and the shard is held."""
+    clock = Clock()
+    s = ShardSuspects("g", ["h:1"], Probe(), NodeCounters(), 1.0, clock=clock)
+    for _ in range(HURRIED_STRIKES):
+        started = clock.now
+        clock.now += STRIKE_S + 1.0  # the call's whole deadline, spent
+        s.failed(0, TimeoutError_("slow"), hurried=True, started=started)
     with pytest.raises(Unavailable):
         s.check(0)
