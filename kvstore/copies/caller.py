@@ -10,10 +10,13 @@ current stream is each device's default stream, not the caller's, and its curren
 device is device 0. So the caller's state is captured on the calling thread
 (:func:`capture`) and each part runs under it (:func:`as_caller`):
 
-- **streams**: the current stream of every device on which the caller made a
-  non-default stream current, and of the caller's current device (entered last, so a
-  bare ``"cuda"`` names the same device on the pool thread). Devices the caller never
-  touched are not touched here: making one current would create a CUDA context on it;
+- **device and streams**: the caller's current device, entered first with
+  ``torch.cuda.device`` (whose exit restores the pool thread's device without making
+  it current where it has no context: a stream context's exit alone would set device 0
+  current, creating a context there on a cuda:1 worker), then the current stream of
+  every device on which the caller made a non-default stream current, and of its own
+  device last, so a bare ``"cuda"`` names the same device on the pool thread. Devices
+  the caller never touched are not touched here;
 - **inference mode**: an engine's forward runs under ``torch.inference_mode()``, and
   the tensors it allocates there (the KV a prefill loads a prefix into) are inference
   tensors, which torch lets only a thread in inference mode update in place. A pool
@@ -43,21 +46,20 @@ class Caller:
     """What a pool thread must share with the thread whose call it runs a part of."""
 
     inference: bool
+    device: int | None  # the caller's current CUDA device (None: CUDA not started)
     streams: tuple[Any, ...]  # CUDA streams to make current, the caller's device's last
 
 
-def _streams(torch: Any) -> tuple[Any, ...]:
+def _streams(torch: Any, here: int) -> tuple[Any, ...]:
     """The caller's current CUDA streams worth carrying (see the module docstring)."""
-    if not torch.cuda.is_initialized():
-        return ()
-    here = torch.cuda.current_device()
     others = []
-    for i in range(torch.cuda.device_count()):
-        if i == here:
-            continue
-        s = torch.cuda.current_stream(i)  # reads state: no context is made
-        if s != torch.cuda.default_stream(i):
-            others.append(s)
+    if torch.cuda.device_count() > 1:
+        for i in range(torch.cuda.device_count()):
+            if i == here:
+                continue
+            s = torch.cuda.current_stream(i)  # reads state: no context is made
+            if s != torch.cuda.default_stream(i):
+                others.append(s)
     return (*others, torch.cuda.current_stream(here))
 
 
@@ -68,10 +70,10 @@ def capture() -> Caller | None:
     if torch is None:
         return None
     inference = bool(torch.is_inference_mode_enabled())
-    streams = _streams(torch)
-    if not inference and not streams:
-        return None
-    return Caller(inference, streams)
+    if not torch.cuda.is_initialized():
+        return Caller(inference, None, ()) if inference else None
+    here = torch.cuda.current_device()
+    return Caller(inference, here, _streams(torch, here))
 
 
 @contextlib.contextmanager
@@ -84,6 +86,8 @@ def as_caller(caller: Caller | None) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         if caller.inference:
             stack.enter_context(torch.inference_mode())
+        if caller.device is not None:
+            stack.enter_context(torch.cuda.device(caller.device))
         for stream in caller.streams:
             stack.enter_context(torch.cuda.stream(stream))
         yield

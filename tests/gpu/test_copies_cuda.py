@@ -58,3 +58,43 @@ def test_land_hashed_and_lift_are_exact_on_cuda(registered: bool) -> None:
     finally:
         if reg is not None:
             process_registry().release(reg)
+
+
+def test_a_pool_thread_runs_as_its_caller_on_the_device() -> None:
+    """kvstore/copies/caller.py on CUDA: a part run on another thread copies into the
+    caller's inference tensors in place (torch refuses that to a thread outside
+    inference mode), on the caller's current stream and device, and its exit makes no
+    other device current (which would create a context there)."""
+    import threading
+
+    from kvstore.copies.caller import with_caller
+
+    side = torch.cuda.Stream()
+    src = torch.arange(64, dtype=torch.float32, device="cuda")
+    seen: list[object] = []
+
+    def part() -> None:
+        dst[:64].copy_(src, non_blocking=True)  # a plain slice: an inference tensor
+        seen.extend([torch.cuda.current_stream(), torch.cuda.current_device()])
+
+    def on_thread(fn: object) -> list[BaseException]:
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                fn()  # type: ignore[operator]
+            except RuntimeError as exc:
+                errors.append(exc)
+
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+        return errors
+
+    with torch.inference_mode(), torch.cuda.stream(side):
+        dst = torch.zeros(128, dtype=torch.float32, device="cuda")
+        assert on_thread(part) and not seen  # bare: refused
+        assert on_thread(with_caller(part)) == []
+        side.synchronize()
+    assert seen == [side, torch.cuda.current_device()]
+    assert torch.equal(dst[:64].cpu(), src.cpu()) and not dst[64:].any()
