@@ -7,7 +7,9 @@ at most one decode step. The asyncio side (the HTTP app) only awaits these jobs.
 Storing a finished answer's blocks (``save_decode``) is two jobs: gathering them on
 the device, on the model thread, then writing them, on one of a few threads of their
 own: a store node that is slow or hung holds only that answer's end (up to its
-client's timeout), never the other streams' tokens.
+client's timeout), never the other streams' tokens. At most ``ANSWERS_QUEUED`` answers
+wait for their write, each holding a staged copy of its blocks on the device; past
+that an answer is not stored (a later miss, counted in ``answers_not_stored``).
 
 Load is accounted here, where it happens, and reported through ``on_load`` (the
 worker's etcd registration): prompt tokens waiting for or in prefill, requests
@@ -44,9 +46,10 @@ from engine.serving.stores import HandoffReader
 from kvstore.copies.caller import with_caller
 from kvstore.errors import KVStoreError
 
-__all__ = ["ANSWER_WRITERS", "Faults", "WorkerEngine", "calibrate_prefill"]
+__all__ = ["ANSWERS_QUEUED", "ANSWER_WRITERS", "Faults", "WorkerEngine", "calibrate_prefill"]
 
 ANSWER_WRITERS = 4  # answers whose blocks are written at once (save_decode)
+ANSWERS_QUEUED = 16  # answers gathered and not yet written, past which one is not stored
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +117,9 @@ class WorkerEngine:
         self.counters: dict[str, int] = {
             "prefills": 0, "decodes": 0, "generates": 0, "tail_recomputed": 0,
             "handoff_from_cluster": 0, "handoff_from_source": 0, "answer_blocks": 0,
+            "answers_not_stored": 0,
         }  # fmt: skip
+        self._answers_queued = 0  # gathered answers waiting for their write
         self.last_prefill: dict[str, Any] = {}  # the latest prefill's PrefillStats
         self.last_decode: dict[str, Any] = {}  # the latest handoff read (FetchStats)
 
@@ -298,12 +303,16 @@ class WorkerEngine:
         error."""
         if store is None or cache is None:
             return
+        if self._answers_queued >= ANSWERS_QUEUED:  # the node is slow: keep no more copies
+            self.counters["answers_not_stored"] += 1
+            return
         ad = self.adapter
 
         def gather() -> Callable[[], list[Any]] | None:
             got = answer_blocks(ad, prompt, tokens, cache)
             return None if got is None else with_caller(lambda: ad.put_blocks(store, *got))
 
+        self._answers_queued += 1  # the event loop's count: no lock
         try:
             write = await self._run(gather)
             if write is None:
@@ -313,6 +322,8 @@ class WorkerEngine:
         except Exception as exc:  # best effort: the answer is whole, whatever happens here
             log.warning("could not store an answer's blocks (%s: %s)", type(exc).__name__, exc)
             return
+        finally:
+            self._answers_queued -= 1
         self.counters["answer_blocks"] += sum(r is True for r in res)
 
     async def _stream(

@@ -5,11 +5,13 @@ Why: the connector roots a LoRA request's key chain in its adapter's name and pa
 (engine/vllm/keys.py), so a prompt's blocks under an adapter are not the base model's.
 A request names its adapter only by name (``"model": "sql-lora"``); vLLM lists each
 adapter it serves in ``/v1/models`` with its path (``root``) and base model
-(``parent``). So the router asks a server for that list, keeps it, and asks again when
-a request names a model it does not know (an adapter loaded since, through vLLM's
-``/v1/load_lora_adapter``), at most once per :data:`REFRESH_S`. A model it still does
-not know is not checked at all (the prefill runs): checking it as the base model could
-skip a prefill the decode server then has to compute itself.
+(``parent``). So the router asks a server for that list and keeps it; a request naming
+an adapter, or a model it does not know, asks again once the list is
+:data:`REFRESH_S` old (an adapter loaded since through vLLM's ``/v1/load_lora_adapter``,
+or loaded again from another path). A model it still does not know is not checked at
+all (the prefill runs): checking it as the base model could skip a prefill the decode
+server then has to compute itself. The ask is bounded by the router (a short timeout):
+a hung server costs a request that long, once per :data:`REFRESH_S`, and a miss.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ class Adapters:
         ``name@path`` for an adapter, :data:`UNKNOWN` for a model no server lists."""
         if not isinstance(model, str) or not model or model in self._base:
             return BASE
-        if model not in self._lora and self._due():
+        if self._due():
             await self._refresh()
         if model in self._base:
             return BASE

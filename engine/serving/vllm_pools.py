@@ -69,6 +69,8 @@ from kvstore.errors import KVStoreError
 
 __all__ = ["Pools", "PoolsConfig", "add_arguments", "namespace_of", "run"]
 
+MODELS_TIMEOUT_S = 2.0  # a server's model list, asked in a request's path (LoRA check)
+
 log = logging.getLogger(__name__)
 
 
@@ -479,7 +481,8 @@ class Pools:
         """A decode server's ``/v1/models`` body (its LoRA adapters for the check)."""
         if not self.decode:
             raise RuntimeError("no decode server in the pool")
-        r = await self.http().get(self._least_busy(self.decode)[0].url + "/v1/models")
+        server = self._least_busy(self.decode)[0]
+        r = await self.http().get(server.url + "/v1/models", timeout=MODELS_TIMEOUT_S)
         r.raise_for_status()
         return dict(r.json())
 

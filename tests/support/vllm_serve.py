@@ -50,6 +50,7 @@ class ApiServer:
         kv: dict[str, Any] | None,
         dtype: str,
         extra_args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -66,7 +67,11 @@ class ApiServer:
         argv += list(extra_args)
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, env=engine_env(root), cwd=ROOT
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**engine_env(root), **(env or {})},
+                cwd=ROOT,
             )
 
     def pids(self) -> list[int]:
@@ -167,10 +172,14 @@ def _router(root: Path, flags: list[str], name: str) -> Iterator[str]:
 
 @contextlib.contextmanager
 def serve_stack(
-    root: Path, model: Path, dtype: str, extra_args: Sequence[str] = ()
+    root: Path,
+    model: Path,
+    dtype: str,
+    extra_args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """A store, prefill (kv_producer), decode (kv_consumer) and plain vLLM servers (each
-    started with ``extra_args`` too), and the router in front of the first two:
+    started with ``extra_args`` and ``env`` too), and the router in front of the first two:
     ``{"router": url, "model", "store", "prefill", "decode", "plain"}``."""
     (root / "store").mkdir(exist_ok=True)
     with contextlib.ExitStack() as stack:
@@ -179,7 +188,7 @@ def serve_stack(
         servers: dict[str, ApiServer] = {}
         for name, role in (("prefill", "kv_producer"), ("decode", "kv_consumer"), ("plain", "")):
             kv = connector(role, store) if role else None
-            servers[name] = ApiServer(model, root, name, kv, dtype, extra_args)
+            servers[name] = ApiServer(model, root, name, kv, dtype, extra_args, env)
             stack.callback(servers[name].stop)
         for s in servers.values():
             s.wait_ready()

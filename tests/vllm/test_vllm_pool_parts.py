@@ -188,7 +188,7 @@ def _models_list(*adapters: tuple[str, str]) -> dict[str, Any]:
     return {"object": "list", "data": cards}
 
 
-def test_adapters_name_their_path_as_the_connector_does_and_refresh_when_unknown() -> None:
+def test_adapters_name_their_path_as_the_connector_does_and_are_read_again() -> None:
     import asyncio
 
     from engine.serving.vllm_adapters import BASE, REFRESH_S, UNKNOWN, Adapters
@@ -212,6 +212,10 @@ def test_adapters_name_their_path_as_the_connector_does_and_refresh_when_unknown
         now[0] += REFRESH_S
         assert await a.lora("chat") == "chat@/adapters/chat" and len(calls) == 2
         assert await a.lora("sql") == "sql@/adapters/sql" and len(calls) == 2
+        served.append(_models_list(("sql", "/adapters/sql-v2")))  # loaded again elsewhere
+        now[0] += REFRESH_S
+        assert await a.lora("sql") == "sql@/adapters/sql-v2" and len(calls) == 3
+        assert await a.lora("chat") is UNKNOWN  # unloaded
 
     asyncio.run(body())
 

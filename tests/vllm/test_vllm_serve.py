@@ -43,7 +43,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     cfg_path.write_text(json.dumps(cfg))
     adapter = write_tiny_lora(root / "sql-lora", model)
     lora = ["--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"sql={adapter}"]
-    with serve_stack(root, model, "float32", lora) as s:
+    runtime_lora = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}  # /v1/load_lora_adapter
+    with serve_stack(root, model, "float32", lora, runtime_lora) as s:
         yield {**s, "root": root}
 
 
@@ -165,6 +166,37 @@ def test_a_lora_prompt_shares_blocks_only_under_its_adapter(stack: dict[str, Any
     again = via.completions.with_raw_response.create(**tuned)
     assert again.headers["x-kvstore-cached-blocks"] == "3/3"
     assert again.headers["x-kvstore-prefill"] == "skipped"
+    assert again.parse().choices[0].text == want
+
+
+def test_an_adapter_loaded_at_run_time_is_checked_under_its_own_chain(
+    stack: dict[str, Any],
+) -> None:
+    """An adapter loaded into the running servers (vLLM's ``/v1/load_lora_adapter``) is
+    not in the router's list until it reads the servers' list again (once that is
+    REFRESH_S old, at a request naming an adapter); from then its prompts are checked
+    under that adapter's chain: a prompt stored under another adapter is a miss."""
+    from engine.serving.vllm_adapters import REFRESH_S
+    from tests.support.vllm_fixtures import write_tiny_lora
+
+    path = write_tiny_lora(stack["root"] / "chat-lora", stack["model"], seed=6)
+    for s in (stack["plain"], stack["prefill"], stack["decode"]):
+        r = httpx.post(s.url + "/v1/load_lora_adapter",
+                       json={"lora_name": "chat", "lora_path": str(path)}, timeout=60)  # fmt: skip
+        assert r.status_code == 200, r.text
+    via = openai.OpenAI(base_url=stack["router"] + "/v1", api_key="unused")
+    plain = openai.OpenAI(base_url=stack["plain"].url + "/v1", api_key="unused")
+    args = dict(model="chat", prompt=_prompt(8, 3 * BLOCK + 4), max_tokens=6,
+                temperature=0.0)  # fmt: skip
+    want = plain.completions.create(**args).choices[0].text
+    sql = plain.completions.create(**{**args, "model": "sql"}).choices[0].text
+    assert via.completions.create(**{**args, "model": "sql"}).choices[0].text == sql
+    time.sleep(REFRESH_S + 0.1)  # the router reads the list again once it is this old
+    first = via.completions.with_raw_response.create(**args)  # stored under sql only
+    assert first.headers["x-kvstore-cached-blocks"] == "0/3"
+    assert first.parse().choices[0].text == want != sql
+    again = via.completions.with_raw_response.create(**args)
+    assert again.headers["x-kvstore-cached-blocks"] == "3/3"
     assert again.parse().choices[0].text == want
 
 
