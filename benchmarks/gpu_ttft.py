@@ -9,7 +9,10 @@ the store. In one run, alternating, after one warm-up of each:
 * **cached**: the worker matches the prefix, fetches its 480 blocks as one batch into
   one device tensor, rebuilds the cache there and computes the last 512 tokens;
 * **recompute**: the same worker code over a store that holds nothing, computing all
-  8,192 tokens (it writes nothing either, so the cached prefix stays where it is).
+  8,192 tokens (it writes nothing either, so the cached prefix stays where it is);
+* **layered** (``layer_parts`` > 0): the cached case with the prefix loaded in that many
+  parts of the model's depth beside the forward (engine/hf/layerwise.py), so the fetch
+  runs behind the compute of the layers already landed.
 
 TTFT is the worker's own figure (``PrefillStats.ttft_s``: from the call to the first
 token on the host), median of ``runs``. Then a handoff is checked: the decode worker,
@@ -43,7 +46,7 @@ from typing import Any
 
 import torch
 
-from engine.blockstore import BlockStore, NullStore
+from engine.blockstore import BlockStore, NodeStore, NullStore
 from engine.hf.adapter import HFKVAdapter
 from engine.hf.blockio import BATCH_KEYS, matched_blocks
 from engine.hf.models import LLAMA_1B, LlamaGeometry, random_llama
@@ -76,6 +79,9 @@ class TTFTResult:
     """The decode worker's tokens equal the prefill worker's own continuation."""
     cached_samples: list[float] = field(default_factory=list)
     recompute_samples: list[float] = field(default_factory=list)
+    layered_ttft_s: float | None = None
+    """The cached TTFT with the prefix loaded beside the forward (``layer_parts``)."""
+    layered_samples: list[float] = field(default_factory=list)
 
 
 def _remove(store: Any, keys: Sequence[bytes]) -> None:
@@ -89,6 +95,10 @@ def _sync(device: torch.device) -> None:
 
 
 def _open_store(address_or_store: Any, ad: HFKVAdapter, client_kwargs: dict[str, Any]) -> Any:
+    from kvstore import StoreNode
+
+    if isinstance(address_or_store, StoreNode):  # an engine's store: ranged reads too
+        return NodeStore(address_or_store, ad.namespace), False
     if not isinstance(address_or_store, str):
         return address_or_store, False
     from kvstore import StoreClient
@@ -111,6 +121,7 @@ def measure_ttft(
     seed: int = 0,
     model: Any = None,
     client_kwargs: dict[str, Any] | None = None,
+    layer_parts: int = 0,
 ) -> TTFTResult:
     """TTFT of a PrefillWorker on ``device`` with ``cached_tokens`` of the prompt in the
     store, against recomputing the whole prompt, medians of ``runs`` (module docstring).
@@ -130,34 +141,23 @@ def measure_ttft(
     n_cached = cached_tokens // block_tokens
     store, owned = _open_store(address_or_store, ad, client_kwargs or {})
     try:
-        warm, cold = PrefillWorker(ad, store), PrefillWorker(ad, NullStore())
+        warm = PrefillWorker(ad, store)
         _remove(store, keys)  # a clean slate, then exactly the prefix
         _remove(store, warm.prefill("seed-prefix", prompt[: cached_tokens + 1]).scoped_keys())
         if matched_blocks(store, keys) != n_cached:
             raise RuntimeError("the store does not hold the prefix it was just given")
-        hits: list[float] = []
-        fetches: list[float] = []
-        scratch: list[float] = []
-        for r in range(runs + 1):  # run 0 warms both paths up (kernels, allocator, links)
-            _sync(dev)
-            h = warm.prefill(f"hit-{r}", prompt)
-            _remove(store, keys[n_cached:] + h.scoped_keys())
-            if h.stats.cached_blocks != n_cached:
-                raise RuntimeError(f"loaded {h.stats.cached_blocks} blocks, not {n_cached}")
-            _sync(dev)
-            h0 = cold.prefill(f"cold-{r}", prompt)
-            if h0.stats.cached_blocks != 0:
-                raise RuntimeError("the recompute side found cached blocks")
-            if r:
-                hits.append(h.stats.ttft_s)
-                fetches.append(h.stats.fetch_s)
-                scratch.append(h0.stats.ttft_s)
+        workers = {"cached": warm, "recompute": PrefillWorker(ad, NullStore())}
+        if layer_parts:
+            workers["layered"] = PrefillWorker(ad, store, layer_parts=layer_parts)
+        samples = _alternate(workers, store, prompt, keys, n_cached, runs)
         equal = _handoff_equal(ad, store, prompt, new_tokens)
         _remove(store, keys[n_cached:])
     finally:
         if owned:
             store.close()
+    hits, scratch, fetches = samples["cached"], samples["recompute"], samples["fetch"]
     hit, rec = statistics.median(hits), statistics.median(scratch)
+    layered = samples.get("layered", [])
     return TTFTResult(
         device=str(dev),
         geometry=asdict(geometry),
@@ -174,7 +174,39 @@ def measure_ttft(
         tokens_equal=equal,
         cached_samples=hits,
         recompute_samples=scratch,
+        layered_ttft_s=statistics.median(layered) if layered else None,
+        layered_samples=layered,
     )
+
+
+def _alternate(
+    workers: dict[str, PrefillWorker],
+    store: Any,
+    prompt: list[int],
+    keys: Sequence[bytes],
+    n_cached: int,
+    runs: int,
+) -> dict[str, list[float]]:
+    """Each worker's TTFT samples, the workers taking turns within each run (and the
+    cached worker's fetch times as ``fetch``); run 0 warms every path up (kernels, the
+    allocator, the links) and is not kept. After each cached prefill the store holds
+    exactly the prefix again."""
+    out: dict[str, list[float]] = {name: [] for name in (*workers, "fetch")}
+    dev = next(iter(workers.values())).adapter.device
+    for r in range(runs + 1):
+        for name, worker in workers.items():
+            _sync(dev)
+            h = worker.prefill(f"{name}-{r}", prompt)
+            want = 0 if name == "recompute" else n_cached
+            if h.stats.cached_blocks != want:
+                raise RuntimeError(f"{name}: loaded {h.stats.cached_blocks} blocks, not {want}")
+            if want:
+                _remove(store, keys[n_cached:] + h.scoped_keys())
+            if r:
+                out[name].append(h.stats.ttft_s)
+                if name == "cached":
+                    out["fetch"].append(h.stats.fetch_s)
+    return out
 
 
 def _handoff_equal(ad: HFKVAdapter, store: Any, prompt: list[int], new_tokens: int) -> bool:
@@ -200,6 +232,12 @@ def print_row(res: TTFTResult, store_name: str) -> None:
         f"(fetch {res.cached_fetch_s * 1e3:.1f} ms) | {res.recompute_ttft_s * 1e3:.1f} ms | "
         f"{res.speedup:.2f}x | >= 4x | {res.tokens_equal} |"
     )
+    if res.layered_ttft_s is not None:
+        print(
+            f"| the same, the prefix loaded beside the forward | {res.layered_ttft_s * 1e3:.1f} ms"
+            f" | {res.recompute_ttft_s * 1e3:.1f} ms | "
+            f"{res.recompute_ttft_s / res.layered_ttft_s:.2f}x | >= 4x | {res.tokens_equal} |"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cached-tokens", type=int, default=None)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--layer-parts", type=int, default=0, help="also time a layer-wise load")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     geo = TINY if args.tiny else LLAMA_1B
@@ -224,12 +263,12 @@ def main(argv: list[str] | None = None) -> int:
         with StoreNode(node_id="ttft", dram_bytes=2 * (prompt // 16 + 8) * per_block) as node:
             res = measure_ttft(
                 args.device, node, geometry=geo, dtype=dtype, prompt_tokens=prompt,
-                cached_tokens=cached, runs=args.runs,
+                cached_tokens=cached, runs=args.runs, layer_parts=args.layer_parts,
             )  # fmt: skip
     else:
         res = measure_ttft(
             args.device, args.store, geometry=geo, dtype=dtype, prompt_tokens=prompt,
-            cached_tokens=cached, runs=args.runs,
+            cached_tokens=cached, runs=args.runs, layer_parts=args.layer_parts,
         )  # fmt: skip
     if args.json:
         print(json.dumps(asdict(res)))

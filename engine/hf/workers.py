@@ -44,6 +44,8 @@ import torch
 
 from engine.blockstore import BlockStore
 from engine.hf.adapter import HFKVAdapter, model_device
+from engine.hf.blockio import matched_blocks
+from engine.hf.layerwise import decoder_layers, forward_loading
 from kvstore.errors import KVStoreError
 
 __all__ = [
@@ -191,6 +193,14 @@ def store_answer(
     return sum(r is True for r in adapter.put_blocks(store, *got))
 
 
+def _loads_by_layer(adapter: HFKVAdapter) -> bool:
+    """Whether a prefix can load beside the forward: the store has layer ranges of
+    uncompressed blocks only, and the model must have one list of decoder layers."""
+    if adapter.codec is not None:
+        return False
+    return decoder_layers(adapter.model, adapter.layout.layers) is not None
+
+
 def _as_ids(prompt: Sequence[int] | torch.Tensor) -> list[int]:
     if isinstance(prompt, torch.Tensor):
         return [int(t) for t in prompt.reshape(-1).tolist()]
@@ -198,12 +208,20 @@ def _as_ids(prompt: Sequence[int] | torch.Tensor) -> list[int]:
 
 
 class PrefillWorker:
-    """Computes prompts, reusing and extending the store's prefix cache."""
+    """Computes prompts, reusing and extending the store's prefix cache.
 
-    def __init__(self, adapter: HFKVAdapter, store: BlockStore) -> None:
+    ``layer_parts``: load the stored prefix in that many parts of the model's depth
+    beside the forward (engine/hf/layerwise.py), so the fetch hides behind the compute;
+    0 fetches it whole first, and so does a compressed namespace (the store has no
+    layer ranges of its blocks). Worth it against a store that reads layer ranges (a
+    StoreClient); an in-process NodeStore reads whole blocks for each range."""
+
+    def __init__(self, adapter: HFKVAdapter, store: BlockStore, *, layer_parts: int = 0) -> None:
         self.adapter = adapter
         self.store = store
+        self.layer_parts = layer_parts if _loads_by_layer(adapter) else 0
         self.store_errors = 0  # store calls that failed (each one a miss, not a failure)
+        self.layerwise_misses = 0  # layer-wise loads a missing part turned into a recompute
 
     def prefill(self, request_id: str, prompt: Sequence[int] | torch.Tensor) -> Handoff:
         """Run one prompt; returns the handoff carrying the first generated token."""
@@ -224,20 +242,13 @@ class PrefillWorker:
         st = PrefillStats(prompt_tokens=len(ids))
         t0, c0 = time.perf_counter(), time.process_time()
         keys = ad.keys(ids)
-        try:
-            n, cache = ad.load_prefix(self.store, keys, len(ids))
-        except KVStoreError as exc:  # the store is down: a miss
-            self._failed("load prefix", exc)
-            n, cache = 0, None
-        t1 = time.perf_counter()
-        start = n * ad.block_tokens
-        out = ad.model(
-            ad.input_ids(ids[start:]), past_key_values=cache, use_cache=True, logits_to_keep=1
-        )  # only the last position's logits are used (generate() asks for the same)
+        n, out, fetch_s = self._compute(ids, keys)
         first = int(out.logits[0, -1].argmax())
         cache = out.past_key_values
         t2 = time.perf_counter()
+        t1 = t0 + fetch_s
         st.ttft_s, st.cpu_s = t2 - t0, time.process_time() - c0
+        start = n * ad.block_tokens
         shared, st.stored_blocks = self._store_new(keys, cache, n)
         st.cached_blocks, st.computed_tokens = n, len(ids) - start
         h = Handoff(request_id, ids, first, st, shared_blocks=shared)
@@ -247,6 +258,36 @@ class PrefillWorker:
                 h.shared_blocks = -1  # nothing exact to hand over: the decode side recomputes
         st.fetch_s, st.compute_s, st.store_s = t1 - t0, t2 - t1, time.perf_counter() - t2
         return h, cache
+
+    def _compute(self, ids: list[int], keys: Sequence[bytes]) -> tuple[int, Any, float]:
+        """Load the stored prefix and compute the rest: (blocks loaded, the forward's
+        output, seconds spent fetching before the forward could start). Only the last
+        position's logits are computed (generate() asks for the same)."""
+        ad = self.adapter
+        t0 = time.perf_counter()
+        try:
+            if self.layer_parts:
+                n = ad.reusable_blocks(len(ids), matched_blocks(self.store, keys))
+                done = forward_loading(
+                    ad, self.store, keys[:n], ids[n * ad.block_tokens :], self.layer_parts
+                )
+                if done is not None:  # the fetch ran beside the forward
+                    return n, done[0], 0.0
+                self.layerwise_misses += n > 0
+                n, cache = 0, None  # a part missed: the prompt is computed whole
+            else:
+                n, cache = ad.load_prefix(self.store, keys, len(ids))
+        except KVStoreError as exc:  # the store is down: a miss
+            self._failed("load prefix", exc)
+            n, cache = 0, None
+        fetch_s = time.perf_counter() - t0
+        out = ad.model(
+            ad.input_ids(ids[n * ad.block_tokens :]),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return n, out, fetch_s
 
     def _store_new(self, keys: Sequence[bytes], cache: Any, n: int) -> tuple[int, int]:
         """Write full blocks ``n..`` from ``cache`` as one staged batch; returns (leading

@@ -81,7 +81,8 @@ class WorkerEngine:
     ``save_decode``: once an answer is whole, its full blocks are stored too, in the
     node that holds its prompt's (the prefill worker's, a handoff's source), so a
     chat's next turn, placed there for its prefix, finds its whole history
-    (engine/hf/workers.py ``store_answer``).
+    (engine/hf/workers.py ``store_answer``). ``layer_parts``: a prefill's stored prefix
+    loads in that many parts beside its forward (engine/hf/layerwise.py).
     """
 
     def __init__(
@@ -98,9 +99,11 @@ class WorkerEngine:
         on_load: Callable[[WorkerLoad], None] | None = None,
         kv_codec: str | None = None,
         save_decode: bool = False,
+        layer_parts: int = 0,
     ) -> None:
         self.lm = lm
         self.save_decode = save_decode
+        self.layer_parts = layer_parts
         self.adapter = HFKVAdapter(
             lm.model, model_id=lm.name, block_tokens=block_tokens, kv_codec=kv_codec
         )
@@ -180,7 +183,7 @@ class WorkerEngine:
 
     def _prefiller(self) -> PrefillWorker:
         store = self.local if self.local is not None else NullStore(refuse=_NO_NODE)
-        return PrefillWorker(self.adapter, store)
+        return PrefillWorker(self.adapter, store, layer_parts=self.layer_parts)
 
     async def prefill(self, request_id: str, prompt: Sequence[int]) -> dict[str, Any]:
         """Prefill for another worker to decode: the handoff as plain data."""

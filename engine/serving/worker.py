@@ -247,6 +247,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "finds its whole history",
     )
     p.add_argument(
+        "--layer-parts",
+        type=int,
+        default=0,
+        help="load a prompt's stored prefix in this many parts of the model's depth "
+        "beside the forward, so the fetch runs behind the compute (0: fetch it first)",
+    )
+    p.add_argument(
         "--no-calibrate",
         action="store_true",
         help="skip timing prefill at start (the router then uses its default model)",
@@ -363,6 +370,7 @@ def run_worker(args: argparse.Namespace) -> int:
         faults=Faults(args.inject_prefill_delay_s, args.inject_token_delay_s),
         kv_codec=args.kv_codec,
         save_decode=args.save_decode,
+        layer_parts=args.layer_parts,
     )
     engine.cluster, engine.local, engine.source_client = _store_clients(
         args, engine.adapter.namespace

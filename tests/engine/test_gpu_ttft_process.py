@@ -20,10 +20,12 @@ def test_measure_ttft_through_a_served_store(store_server: ServerProcess) -> Non
     ad = HFKVAdapter(model, model_id=f"random-llama-{TINY.layers}L", block_tokens=16)
     with store_server.client(ALPHA, namespace=ad.namespace) as client:
         res = measure_ttft(
-            "cpu", client, geometry=TINY, prompt_tokens=96, cached_tokens=64, runs=2, model=model
-        )
+            "cpu", client, geometry=TINY, prompt_tokens=96, cached_tokens=64, runs=2,
+            model=model, layer_parts=2,
+        )  # fmt: skip
         assert res.tokens_equal
         assert res.cached_blocks == 4 and len(res.cached_samples) == 2
+        assert len(res.layered_samples) == 2  # loaded beside the forward, through the server
         assert res.cached_ttft_s > 0 and res.recompute_ttft_s > 0
         assert res.block_bytes == ad.layout.block_bytes()
         rng = random.Random(0)  # measure_ttft's prompt (seed 0)

@@ -136,11 +136,35 @@ def test_worker_defaults_to_cuda_and_calibrates_there() -> None:
     assert all(c >= 0 for c in fit.coeffs)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_a_prefix_loaded_beside_the_forward_on_cuda_is_the_whole_loads(dtype: torch.dtype) -> None:
+    """engine/hf/layerwise.py on the GPU: the loader copies on its own stream and each
+    layer waits for its part's event on the device. The first token and every byte of
+    the cache equal a prefill that fetched the prefix first; every landing is a CUDA
+    tensor (the recorder checks)."""
+    model = _model(dtype)
+    ad = HFKVAdapter(model, model_id="tiny", block_tokens=B)
+    p = [random.Random(8).randrange(512) for _ in range(150)]
+    with StoreNode(dram_bytes=64 << 20) as node:
+        rec = _recorder(node, ad)
+        PrefillWorker(ad, rec).prefill("seed", p)
+        h1, c1 = PrefillWorker(ad, rec).prefill_with_cache("w", p, handoff=False)
+        layered = PrefillWorker(ad, rec, layer_parts=3)
+        h2, c2 = layered.prefill_with_cache("l", p, handoff=False)
+        assert layered.layer_parts == 3 and layered.layerwise_misses == 0
+    assert h2.stats.cached_blocks == h1.stats.cached_blocks == (150 - 1) // B
+    assert h2.first_token == h1.first_token
+    for x, y in zip(c1.layers, c2.layers, strict=True):
+        assert torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
+
+
 def test_measure_ttft_smoke_on_cuda() -> None:
     """benchmarks/gpu_ttft.py on the GPU with a tiny geometry and an in-process node:
     the same code the 1B measurement runs, its handoff exact."""
     from benchmarks.gpu_ttft import TINY, measure_ttft
 
     with StoreNode(dram_bytes=64 << 20) as node:
-        res = measure_ttft(CUDA, node, geometry=TINY, prompt_tokens=256, cached_tokens=240, runs=2)
+        res = measure_ttft(CUDA, node, geometry=TINY, prompt_tokens=256, cached_tokens=240,
+                           runs=2, layer_parts=2)  # fmt: skip
     assert res.tokens_equal and res.cached_blocks == 15 and res.device.startswith("cuda")
+    assert len(res.layered_samples) == 2

@@ -28,7 +28,7 @@ def cluster(
         c.add_node("n0")
         c.add_node("n1")
         c.add_workers([
-            {"id": "p0", "role": "prefill", "node": "n0"},
+            {"id": "p0", "role": "prefill", "node": "n0", "flags": ["--layer-parts", "2"]},
             {"id": "p1", "role": "prefill", "node": "n1"},
             {"id": "d0", "role": "decode", "node": "n0", "flags": ["--save-decode"]},
         ])  # fmt: skip
