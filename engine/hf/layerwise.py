@@ -31,7 +31,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -86,6 +86,8 @@ class LayerwiseLoad:
         self._ready = [threading.Event() for _ in self.parts]
         self._events: list[Any] = [None] * len(self.parts)  # CUDA: one per part
         self._stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        if self._stream is not None:  # the cache's memory may be what work still queued
+            self._stream.wait_stream(torch.cuda.current_stream(dev))  # there freed: after it
         self._waited: set[int] = set()
         self.missed_at: int | None = None  # the first part that did not arrive
         self.seconds = 0.0  # the loader's whole time
@@ -95,7 +97,12 @@ class LayerwiseLoad:
         self._thread.start()
 
     def join(self) -> None:
+        """Wait for the loader, and on a GPU for the copies it queued: a forward that
+        stopped (a part missed) frees the cache's tensors, which must not be reused
+        while a copy into them is still in flight."""
         self._thread.join()
+        if self._stream is not None:
+            self._stream.synchronize()
 
     def wait(self, layer: int) -> None:
         """Block until ``layer``'s part has landed (on a GPU: order the caller's stream
@@ -111,7 +118,7 @@ class LayerwiseLoad:
     def _run(self) -> None:
         t0 = time.perf_counter()
         try:
-            with torch.inference_mode(), _on(self._stream):
+            with torch.inference_mode(), _on(self._stream, self.adapter.device):
                 for p, (a, b) in enumerate(self.parts):
                     if not self._land(a, b):
                         self.missed_at = p
@@ -148,9 +155,16 @@ class LayerwiseLoad:
         return True
 
 
-def _on(stream: Any) -> Any:
-    """``stream`` made current (a GPU load's own stream), or nothing on a CPU."""
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+@contextlib.contextmanager
+def _on(stream: Any, device: torch.device) -> Iterator[None]:
+    """``stream`` made current (a GPU load's own stream), or nothing on a CPU. The
+    device is entered first: a stream context's exit alone would make device 0 current
+    on this thread, creating a context there for a model on another GPU."""
+    if stream is None:
+        yield
+        return
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        yield
 
 
 def _wait_hook(load: LayerwiseLoad, layer: int, module: Any, args: Any) -> None:
