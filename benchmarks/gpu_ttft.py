@@ -155,28 +155,33 @@ def measure_ttft(
     finally:
         if owned:
             store.close()
-    hits, scratch, fetches = samples["cached"], samples["recompute"], samples["fetch"]
+    return _result(ad, geometry, prompt_tokens, cached_tokens, runs, samples, equal)
+
+
+def _result(
+    ad: HFKVAdapter,
+    geometry: LlamaGeometry,
+    prompt_tokens: int,
+    cached_tokens: int,
+    runs: int,
+    samples: dict[str, list[float]],
+    equal: bool,
+) -> TTFTResult:
+    """The medians of :func:`_alternate`'s samples, with what was measured."""
+    hits, scratch = samples["cached"], samples["recompute"]
     hit, rec = statistics.median(hits), statistics.median(scratch)
     layered = samples.get("layered", [])
     return TTFTResult(
-        device=str(dev),
-        geometry=asdict(geometry),
-        dtype=str(ad.dtype).removeprefix("torch."),
-        prompt_tokens=prompt_tokens,
-        cached_tokens=cached_tokens,
-        cached_blocks=n_cached,
-        block_bytes=ad.layout.block_bytes(),
-        runs=runs,
-        cached_ttft_s=hit,
-        recompute_ttft_s=rec,
-        cached_fetch_s=statistics.median(fetches),
-        speedup=rec / hit if hit > 0 else float("inf"),
-        tokens_equal=equal,
-        cached_samples=hits,
-        recompute_samples=scratch,
+        device=str(ad.device), geometry=asdict(geometry),
+        dtype=str(ad.dtype).removeprefix("torch."), prompt_tokens=prompt_tokens,
+        cached_tokens=cached_tokens, cached_blocks=cached_tokens // ad.block_tokens,
+        block_bytes=ad.layout.block_bytes(), runs=runs, cached_ttft_s=hit,
+        recompute_ttft_s=rec, cached_fetch_s=statistics.median(samples["fetch"]),
+        speedup=rec / hit if hit > 0 else float("inf"), tokens_equal=equal,
+        cached_samples=hits, recompute_samples=scratch,
         layered_ttft_s=statistics.median(layered) if layered else None,
         layered_samples=layered,
-    )
+    )  # fmt: skip
 
 
 def _alternate(

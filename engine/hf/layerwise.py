@@ -39,6 +39,7 @@ import torch
 from engine.blockstore import BlockStore
 from engine.hf.adapter import HFKVAdapter
 from engine.hf.blockio import BATCH_KEYS, leading_hits
+from kvstore.errors import KVStoreError
 
 __all__ = ["LAYER_PARTS", "LayerwiseLoad", "PartMissed", "decoder_layers", "forward_loading"]
 
@@ -52,11 +53,26 @@ class PartMissed(RuntimeError):
     """A part of the prefix did not arrive: the forward must not go on with it."""
 
 
-def decoder_layers(model: Any, count: int) -> torch.nn.ModuleList | None:
-    """The model's decoder layers (the one ModuleList of ``count`` modules), in order;
-    None when there is no single such list (the caller then loads whole blocks)."""
-    found = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == count]
-    return found[0] if len(found) == 1 else None
+def decoder_layers(model: Any, count: int) -> list[torch.nn.Module] | None:
+    """The model's ``count`` decoder layers, in order: its decoder's ``layers``
+    (``get_decoder()``), else the one ModuleList of ``count`` modules; None when neither
+    is found or their attention layers say another order (the caller then loads whole
+    blocks). :func:`forward_loading` checks besides that every layer's hook ran."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or len(layers) < count:
+        found = [
+            m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == count
+        ]
+        layers = found[0] if len(found) == 1 else None
+    if layers is None:
+        return None
+    run = list(layers)[:count]  # a model may run fewer than it has
+    for i, layer in enumerate(run):
+        idx = getattr(getattr(layer, "self_attn", None), "layer_idx", i)
+        if idx != i:
+            return None
+    return run
 
 
 def _parts(layers: int, parts: int) -> list[tuple[int, int]]:
@@ -64,6 +80,22 @@ def _parts(layers: int, parts: int) -> list[tuple[int, int]]:
     parts = max(1, min(parts, layers))
     bounds = [round(i * layers / parts) for i in range(parts + 1)]
     return [(a, b) for a, b in itertools.pairwise(bounds) if b > a]
+
+
+_STREAMS: dict[int, Any] = {}  # device index -> the loaders' stream there
+_STREAMS_LOCK = threading.Lock()
+
+
+def _loader_stream(device: torch.device) -> Any:
+    """The one stream layer-wise loads copy on, per device (a fresh pooled stream per
+    load would leave each one's freed staging cached apart, and may share a stream
+    with unrelated copies)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _STREAMS_LOCK:
+        stream = _STREAMS.get(index)
+        if stream is None:
+            stream = _STREAMS[index] = torch.cuda.Stream(index)
+        return stream
 
 
 class LayerwiseLoad:
@@ -85,21 +117,28 @@ class LayerwiseLoad:
         self._part_of = [p for p, (a, b) in enumerate(self.parts) for _ in range(a, b)]
         self._ready = [threading.Event() for _ in self.parts]
         self._events: list[Any] = [None] * len(self.parts)  # CUDA: one per part
-        self._stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        self._stream = _loader_stream(dev) if dev.type == "cuda" else None
         if self._stream is not None:  # the cache's memory may be what work still queued
             self._stream.wait_stream(torch.cuda.current_stream(dev))  # there freed: after it
-        self._waited: set[int] = set()
+        self._stop = threading.Event()
+        self.owner = 0  # the thread whose forward waits (the others' never do)
+        self.waited: set[int] = set()  # layers whose hook ran
+        self._synced: set[int] = set()  # parts the compute stream waits for
         self.missed_at: int | None = None  # the first part that did not arrive
+        self.error: Exception | None = None  # why, when the store raised
         self.seconds = 0.0  # the loader's whole time
         self._thread = threading.Thread(target=self._run, name="kvstore-layer-load", daemon=True)
 
     def start(self) -> None:
+        """Start the loader; the calling thread's forward is the one that waits."""
+        self.owner = threading.get_ident()
         self._thread.start()
 
     def join(self) -> None:
-        """Wait for the loader, and on a GPU for the copies it queued: a forward that
-        stopped (a part missed) frees the cache's tensors, which must not be reused
-        while a copy into them is still in flight."""
+        """Stop the loader at its next batch and wait for it, and on a GPU for the
+        copies it queued: a forward that stopped frees the cache's tensors, which must
+        not be reused while a copy into them is still in flight."""
+        self._stop.set()
         self._thread.join()
         if self._stream is not None:
             self._stream.synchronize()
@@ -111,9 +150,10 @@ class LayerwiseLoad:
         self._ready[part].wait()
         if self.missed_at is not None and part >= self.missed_at:
             raise PartMissed(f"part {part} of the prefix did not arrive")
-        if self._events[part] is not None and part not in self._waited:
+        self.waited.add(layer)
+        if self._events[part] is not None and part not in self._synced:
             torch.cuda.current_stream(self.adapter.device).wait_event(self._events[part])
-            self._waited.add(part)
+            self._synced.add(part)
 
     def _run(self) -> None:
         t0 = time.perf_counter()
@@ -127,23 +167,30 @@ class LayerwiseLoad:
                         self._events[p] = torch.cuda.Event()
                         self._events[p].record(self._stream)
                     self._ready[p].set()
+        except KVStoreError as exc:  # the store failed: a miss, said once
+            self.error = exc
         except Exception:
             log.exception("layer-wise prefix load failed; the prompt is computed whole")
-            self.missed_at = next((p for p, e in enumerate(self._ready) if not e.is_set()), 0)
         finally:
             self.seconds = time.perf_counter() - t0
+            if self.missed_at is None:  # whatever ended the loop early: no part unlanded is read
+                self.missed_at = next(
+                    (p for p, e in enumerate(self._ready) if not e.is_set()), None
+                )
             for e in self._ready:  # a failure must not leave the forward waiting
                 e.set()
 
     def _land(self, a: int, b: int) -> bool:
         """Fetch layers ``a..b-1`` of every block and write them into the cache's
-        tensors; False when any block did not arrive whole."""
+        tensors; False when any block did not arrive whole (or the load was stopped)."""
         ad, n = self.adapter, len(self.keys)
         _, _, H, B, D = ad.block_shape
         stage = torch.empty((n, b - a, 2, H, B, D), dtype=ad.dtype, device=ad.device)
         rows = list(stage.unbind(0))
         for i in range(0, n, BATCH_KEYS):
             part = self.keys[i : i + BATCH_KEYS]
+            if self._stop.is_set():
+                return False
             res = self.store.batch_get_into(
                 part, rows[i : i + BATCH_KEYS], namespace=ad.namespace, layers=(a, b)
             )
@@ -168,7 +215,8 @@ def _on(stream: Any, device: torch.device) -> Iterator[None]:
 
 
 def _wait_hook(load: LayerwiseLoad, layer: int, module: Any, args: Any) -> None:
-    load.wait(layer)
+    if threading.get_ident() == load.owner:  # another thread's forward is not this load's
+        load.wait(layer)
 
 
 def forward_loading(
@@ -177,14 +225,15 @@ def forward_loading(
     keys: Sequence[bytes],
     rest: Sequence[int],
     parts: int = LAYER_PARTS,
-) -> tuple[Any, LayerwiseLoad] | None:
+) -> tuple[Any, LayerwiseLoad | None]:
     """The forward over ``rest`` (the prompt after the ``len(keys)`` stored blocks) while
-    those blocks load beside it: (its output, the load), or None when the model has no
-    single list of decoder layers to wait in or a part missed (the caller computes
-    the whole prompt). Only the last position's logits are computed."""
+    those blocks load beside it: (its output, the load). The output is None when a part
+    missed or a layer ran without waiting (the caller computes the whole prompt; the
+    load's ``error`` says when the store failed); the load is None when the model has
+    no decoder layers to wait in. Only the last position's logits are computed."""
     layers = decoder_layers(adapter.model, adapter.layout.layers)
     if layers is None or not keys:
-        return None
+        return None, None
     load = LayerwiseLoad(adapter, store, keys, parts)
     hooks = [m.register_forward_pre_hook(functools.partial(_wait_hook, load, i))
              for i, m in enumerate(layers)]  # fmt: skip
@@ -194,9 +243,12 @@ def forward_loading(
             adapter.input_ids(rest), past_key_values=load.cache, use_cache=True, logits_to_keep=1
         )
     except PartMissed:
-        return None
+        return None, load
     finally:
         for h in hooks:
             h.remove()
         load.join()
+    if len(load.waited) != len(layers):  # some layer read its KV unguarded: not used
+        log.warning("a layer ran without waiting for its KV; the prompt is computed whole")
+        return None, load
     return out, load

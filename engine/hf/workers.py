@@ -222,6 +222,7 @@ class PrefillWorker:
         self.layer_parts = layer_parts if _loads_by_layer(adapter) else 0
         self.store_errors = 0  # store calls that failed (each one a miss, not a failure)
         self.layerwise_misses = 0  # layer-wise loads a missing part turned into a recompute
+        self.layer_load_s = 0.0  # the latest layer-wise load's time, beside the forward
 
     def prefill(self, request_id: str, prompt: Sequence[int] | torch.Tensor) -> Handoff:
         """Run one prompt; returns the handoff carrying the first generated token."""
@@ -268,12 +269,16 @@ class PrefillWorker:
         try:
             if self.layer_parts:
                 n = ad.reusable_blocks(len(ids), matched_blocks(self.store, keys))
-                done = forward_loading(
+                out, load = forward_loading(
                     ad, self.store, keys[:n], ids[n * ad.block_tokens :], self.layer_parts
                 )
-                if done is not None:  # the fetch ran beside the forward
-                    return n, done[0], 0.0
-                self.layerwise_misses += n > 0
+                if load is not None:
+                    self.layer_load_s = load.seconds
+                if out is not None:  # the fetch ran beside the forward
+                    return n, out, 0.0
+                if load is not None and load.error is not None:
+                    self._failed("load prefix layer by layer", load.error)
+                self.layerwise_misses += load is not None
                 n, cache = 0, None  # a part missed: the prompt is computed whole
             else:
                 n, cache = ad.load_prefix(self.store, keys, len(ids))

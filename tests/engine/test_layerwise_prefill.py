@@ -18,6 +18,7 @@ from engine.hf.adapter import HFKVAdapter
 from engine.hf.layerwise import _parts, decoder_layers
 from engine.hf.workers import PrefillWorker
 from kvstore import StoreNode
+from kvstore.errors import KVStoreError, Unavailable
 from tests.support.models import tiny_llama
 from tests.support.server_process import ALPHA, ServerProcess
 
@@ -62,7 +63,7 @@ def test_layer_parts_cover_the_depth_evenly() -> None:
 def test_a_layerwise_prefill_is_the_whole_loads_in_process(dtype: torch.dtype) -> None:
     model = tiny_llama(dtype, layers=4)
     ad = HFKVAdapter(model, model_id="tiny", block_tokens=16)
-    assert decoder_layers(model, 4) is model.model.layers
+    assert decoder_layers(model, 4) == list(model.model.layers)
     with StoreNode() as node:
         _both(ad, NodeStore(node, ad.namespace), _prompt(120, seed=3))
 
@@ -116,6 +117,47 @@ def test_a_part_that_misses_computes_the_prompt_whole() -> None:
         assert pw.layerwise_misses == 1 and h.stats.cached_blocks == 0
         assert h.first_token == cold.first_token
         _same_cache(cache, cold_cache)
+
+
+class _Raising(NodeStore):
+    """Ranged reads of layers from 2 on raise ``error``."""
+
+    def __init__(self, node: StoreNode, namespace: Any, error: BaseException) -> None:
+        super().__init__(node, namespace)
+        self.error = error
+
+    def batch_get_into(
+        self,
+        keys: Sequence[bytes],
+        outs: Sequence[Any],
+        *,
+        namespace: Any = None,
+        layers: tuple[int, int] | None = None,
+    ) -> list[Any]:
+        if layers is not None and layers[0] >= 2:
+            raise self.error
+        return super().batch_get_into(keys, outs, namespace=namespace, layers=layers)
+
+
+@pytest.mark.parametrize(
+    "error", [Unavailable("node gone"), SystemExit(3)], ids=["store-error", "not-an-exception"]
+)
+def test_a_loader_that_raises_never_lets_a_layer_read(error: BaseException) -> None:
+    """Whatever ends the loader early (a store error, counted as one; even something
+    that is not an Exception), the layers of the parts it did not land never run on
+    them: the prompt is computed whole and its first token is the cold one's."""
+    model = tiny_llama(torch.float32, layers=4)
+    ad = HFKVAdapter(model, model_id="tiny", block_tokens=16)
+    p = _prompt(100, seed=7)
+    with StoreNode() as node:
+        store = _Raising(node, ad.namespace, error)
+        PrefillWorker(ad, store).prefill("seed", p)
+        cold = PrefillWorker(ad, StoreNode()).prefill("c", p)
+        pw = PrefillWorker(ad, store, layer_parts=2)
+        h = pw.prefill("l", p)
+        assert h.first_token == cold.first_token and h.stats.cached_blocks == 0
+        assert pw.layerwise_misses == 1
+        assert pw.store_errors == isinstance(error, KVStoreError)
 
 
 def test_a_compressed_namespace_loads_whole() -> None:

@@ -136,6 +136,18 @@ def test_worker_defaults_to_cuda_and_calibrates_there() -> None:
     assert all(c >= 0 for c in fit.coeffs)
 
 
+class _SlowRebuild(NodeStore):
+    """After each ranged read, a long kernel on the caller's (the loader's) stream: the
+    loader's rebuild copies then land long after it returns, and only a layer that
+    waits for its part's event on the device reads them."""
+
+    def batch_get_into(self, keys, outs, *, namespace=None, layers=None):  # type: ignore[no-untyped-def]
+        got = super().batch_get_into(keys, outs, namespace=namespace, layers=layers)
+        if layers is not None:
+            torch.cuda._sleep(20_000_000)
+        return got
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_a_prefix_loaded_beside_the_forward_on_cuda_is_the_whole_loads(dtype: torch.dtype) -> None:
     """engine/hf/layerwise.py on the GPU: the loader copies on its own stream and each
@@ -152,10 +164,13 @@ def test_a_prefix_loaded_beside_the_forward_on_cuda_is_the_whole_loads(dtype: to
         layered = PrefillWorker(ad, rec, layer_parts=3)
         h2, c2 = layered.prefill_with_cache("l", p, handoff=False)
         assert layered.layer_parts == 3 and layered.layerwise_misses == 0
-    assert h2.stats.cached_blocks == h1.stats.cached_blocks == (150 - 1) // B
-    assert h2.first_token == h1.first_token
-    for x, y in zip(c1.layers, c2.layers, strict=True):
+        slow = PrefillWorker(ad, _SlowRebuild(node, ad.namespace), layer_parts=3)
+        h3, c3 = slow.prefill_with_cache("s", p, handoff=False)
+    assert h3.stats.cached_blocks == h2.stats.cached_blocks == h1.stats.cached_blocks == 9
+    assert h3.first_token == h2.first_token == h1.first_token
+    for x, y, z in zip(c1.layers, c2.layers, c3.layers, strict=True):
         assert torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
+        assert torch.equal(x.keys, z.keys) and torch.equal(x.values, z.values)
 
 
 def test_measure_ttft_smoke_on_cuda() -> None:
