@@ -79,12 +79,15 @@ def test_a_layerwise_prefill_is_the_whole_loads_through_the_server(
         _both(ad, c, _prompt(150, seed=seed))
 
 
-class _MissingPart(NodeStore):
-    """Ranged reads of layers from ``from_layer`` on miss their last block."""
+class _FaultyParts(NodeStore):
+    """Ranged reads of layers from ``from_layer`` on raise ``error``, or without one miss
+    their last block (evicted since it was matched)."""
 
-    def __init__(self, node: StoreNode, namespace: Any, from_layer: int) -> None:
+    def __init__(
+        self, node: StoreNode, namespace: Any, from_layer: int, error: BaseException | None = None
+    ) -> None:
         super().__init__(node, namespace)
-        self.from_layer = from_layer
+        self.from_layer, self.error = from_layer, error
         self.ranged: list[tuple[int, int]] = []
 
     def batch_get_into(
@@ -95,11 +98,14 @@ class _MissingPart(NodeStore):
         namespace: Any = None,
         layers: tuple[int, int] | None = None,
     ) -> list[Any]:
+        faulty = layers is not None and layers[0] >= self.from_layer
+        if faulty and self.error is not None:
+            raise self.error
         got = super().batch_get_into(keys, outs, namespace=namespace, layers=layers)
         if layers is not None:
             self.ranged.append(layers)
-            if layers[0] >= self.from_layer:
-                got[-1] = False  # evicted since it was matched
+        if faulty:
+            got[-1] = False
         return got
 
 
@@ -108,7 +114,7 @@ def test_a_part_that_misses_computes_the_prompt_whole() -> None:
     ad = HFKVAdapter(model, model_id="tiny", block_tokens=16)
     p = _prompt(100, seed=6)
     with StoreNode() as node:
-        store = _MissingPart(node, ad.namespace, from_layer=2)
+        store = _FaultyParts(node, ad.namespace, from_layer=2)
         PrefillWorker(ad, store).prefill("seed", p[:80])
         cold, cold_cache = PrefillWorker(ad, StoreNode()).prefill_with_cache("c", p, handoff=False)
         pw = PrefillWorker(ad, store, layer_parts=2)
@@ -117,26 +123,6 @@ def test_a_part_that_misses_computes_the_prompt_whole() -> None:
         assert pw.layerwise_misses == 1 and h.stats.cached_blocks == 0
         assert h.first_token == cold.first_token
         _same_cache(cache, cold_cache)
-
-
-class _Raising(NodeStore):
-    """Ranged reads of layers from 2 on raise ``error``."""
-
-    def __init__(self, node: StoreNode, namespace: Any, error: BaseException) -> None:
-        super().__init__(node, namespace)
-        self.error = error
-
-    def batch_get_into(
-        self,
-        keys: Sequence[bytes],
-        outs: Sequence[Any],
-        *,
-        namespace: Any = None,
-        layers: tuple[int, int] | None = None,
-    ) -> list[Any]:
-        if layers is not None and layers[0] >= 2:
-            raise self.error
-        return super().batch_get_into(keys, outs, namespace=namespace, layers=layers)
 
 
 @pytest.mark.parametrize(
@@ -150,7 +136,7 @@ def test_a_loader_that_raises_never_lets_a_layer_read(error: BaseException) -> N
     ad = HFKVAdapter(model, model_id="tiny", block_tokens=16)
     p = _prompt(100, seed=7)
     with StoreNode() as node:
-        store = _Raising(node, ad.namespace, error)
+        store = _FaultyParts(node, ad.namespace, from_layer=2, error=error)
         PrefillWorker(ad, store).prefill("seed", p)
         cold = PrefillWorker(ad, StoreNode()).prefill("c", p)
         pw = PrefillWorker(ad, store, layer_parts=2)

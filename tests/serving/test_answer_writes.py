@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import pytest
@@ -53,6 +53,15 @@ def _engine(store: _HeldPuts) -> WorkerEngine:
     return engine
 
 
+def _drive(engine: WorkerEngine, store: _HeldPuts, body: Callable[[], Awaitable[None]]) -> None:
+    """Run ``body``; whatever it does, release the held write and close the engine."""
+    try:
+        asyncio.run(body())  # type: ignore[arg-type]
+    finally:
+        store.release.set()
+        engine.close()
+
+
 def test_a_hung_answer_write_holds_no_other_stream() -> None:
     with StoreNode() as node:
         store = _HeldPuts(node)
@@ -73,11 +82,7 @@ def test_a_hung_answer_write_holds_no_other_stream() -> None:
             keys = engine.adapter.keys(LONG + answer[:-1])
             assert len(keys) == 4 and store.match_prefix(keys) == 4  # the prefill's 2, its 2
 
-        try:
-            asyncio.run(body())
-        finally:
-            store.release.set()
-            engine.close()
+        _drive(engine, store, body)
         assert engine.counters["answer_blocks"] == 2
 
 
@@ -98,9 +103,5 @@ def test_answers_waiting_for_their_write_are_bounded(monkeypatch: pytest.MonkeyP
             store.release.set()
             await asyncio.wait_for(held, 30)
 
-        try:
-            asyncio.run(body())
-        finally:
-            store.release.set()
-            engine.close()
+        _drive(engine, store, body)
         assert engine.counters["answer_blocks"] == 2
