@@ -25,13 +25,11 @@ prompt instead, so a cache may miss but no layer ever reads KV that did not arri
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import logging
 import threading
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -39,6 +37,7 @@ import torch
 from engine.blockstore import BlockStore
 from engine.hf.adapter import HFKVAdapter
 from engine.hf.blockio import BATCH_KEYS, leading_hits
+from kvstore.copies.caller import Caller, as_caller
 from kvstore.errors import KVStoreError
 
 __all__ = ["LAYER_PARTS", "LayerwiseLoad", "PartMissed", "decoder_layers", "forward_loading"]
@@ -126,7 +125,10 @@ class LayerwiseLoad:
         self._synced: set[int] = set()  # parts the compute stream waits for
         self.missed_at: int | None = None  # the first part that did not arrive
         self.error: Exception | None = None  # why, when the store raised
-        self.seconds = 0.0  # the loader's whole time
+        # the loader thread: in inference mode (it updates inference tensors in place),
+        # on the model's device and its own stream there (kvstore/copies/caller.py)
+        index = None if self._stream is None else self._stream.device.index
+        self._state = Caller(True, index, () if self._stream is None else (self._stream,))
         self._thread = threading.Thread(target=self._run, name="kvstore-layer-load", daemon=True)
 
     def start(self) -> None:
@@ -156,9 +158,8 @@ class LayerwiseLoad:
             self._synced.add(part)
 
     def _run(self) -> None:
-        t0 = time.perf_counter()
         try:
-            with torch.inference_mode(), _on(self._stream, self.adapter.device):
+            with as_caller(self._state):
                 for p, (a, b) in enumerate(self.parts):
                     if not self._land(a, b):
                         self.missed_at = p
@@ -172,7 +173,6 @@ class LayerwiseLoad:
         except Exception:
             log.exception("layer-wise prefix load failed; the prompt is computed whole")
         finally:
-            self.seconds = time.perf_counter() - t0
             if self.missed_at is None:  # whatever ended the loop early: no part unlanded is read
                 self.missed_at = next(
                     (p for p, e in enumerate(self._ready) if not e.is_set()), None
@@ -202,18 +202,6 @@ class LayerwiseLoad:
         return True
 
 
-@contextlib.contextmanager
-def _on(stream: Any, device: torch.device) -> Iterator[None]:
-    """``stream`` made current (a GPU load's own stream), or nothing on a CPU. The
-    device is entered first: a stream context's exit alone would make device 0 current
-    on this thread, creating a context there for a model on another GPU."""
-    if stream is None:
-        yield
-        return
-    with torch.cuda.device(device), torch.cuda.stream(stream):
-        yield
-
-
 def _wait_hook(load: LayerwiseLoad, layer: int, module: Any, args: Any) -> None:
     if threading.get_ident() == load.owner:  # another thread's forward is not this load's
         load.wait(layer)
@@ -224,15 +212,16 @@ def forward_loading(
     store: BlockStore,
     keys: Sequence[bytes],
     rest: Sequence[int],
+    layers: Sequence[torch.nn.Module],
     parts: int = LAYER_PARTS,
 ) -> tuple[Any, LayerwiseLoad | None]:
     """The forward over ``rest`` (the prompt after the ``len(keys)`` stored blocks) while
-    those blocks load beside it: (its output, the load). The output is None when a part
-    missed or a layer ran without waiting (the caller computes the whole prompt; the
-    load's ``error`` says when the store failed); the load is None when the model has
-    no decoder layers to wait in. Only the last position's logits are computed."""
-    layers = decoder_layers(adapter.model, adapter.layout.layers)
-    if layers is None or not keys:
+    those blocks load beside it, each of ``layers`` (:func:`decoder_layers`) waiting
+    for its own: (its output, the load). The output is None when a part missed or a
+    layer ran without waiting (the caller computes the whole prompt; the load's
+    ``error`` says when the store failed); the load is None when there are no blocks
+    to load. Only the last position's logits are computed."""
+    if not keys:
         return None, None
     load = LayerwiseLoad(adapter, store, keys, parts)
     hooks = [m.register_forward_pre_hook(functools.partial(_wait_hook, load, i))

@@ -193,12 +193,13 @@ def store_answer(
     return sum(r is True for r in adapter.put_blocks(store, *got))
 
 
-def _loads_by_layer(adapter: HFKVAdapter) -> bool:
-    """Whether a prefix can load beside the forward: the store has layer ranges of
-    uncompressed blocks only, and the model must have one list of decoder layers."""
+def _layers_to_wait_in(adapter: HFKVAdapter) -> list[torch.nn.Module] | None:
+    """The decoder layers a prefix loading beside the forward waits in, None when it
+    cannot: the store has layer ranges of uncompressed blocks only, and the model
+    must have a list of decoder layers."""
     if adapter.codec is not None:
-        return False
-    return decoder_layers(adapter.model, adapter.layout.layers) is not None
+        return None
+    return decoder_layers(adapter.model, adapter.layout.layers)
 
 
 def _as_ids(prompt: Sequence[int] | torch.Tensor) -> list[int]:
@@ -219,10 +220,10 @@ class PrefillWorker:
     def __init__(self, adapter: HFKVAdapter, store: BlockStore, *, layer_parts: int = 0) -> None:
         self.adapter = adapter
         self.store = store
-        self.layer_parts = layer_parts if _loads_by_layer(adapter) else 0
+        self._layers = _layers_to_wait_in(adapter) if layer_parts else None
+        self.layer_parts = layer_parts if self._layers is not None else 0
         self.store_errors = 0  # store calls that failed (each one a miss, not a failure)
         self.layerwise_misses = 0  # layer-wise loads a missing part turned into a recompute
-        self.layer_load_s = 0.0  # the latest layer-wise load's time, beside the forward
 
     def prefill(self, request_id: str, prompt: Sequence[int] | torch.Tensor) -> Handoff:
         """Run one prompt; returns the handoff carrying the first generated token."""
@@ -267,13 +268,12 @@ class PrefillWorker:
         ad = self.adapter
         t0 = time.perf_counter()
         try:
-            if self.layer_parts:
+            if self._layers is not None:
                 n = ad.reusable_blocks(len(ids), matched_blocks(self.store, keys))
+                rest = ids[n * ad.block_tokens :]
                 out, load = forward_loading(
-                    ad, self.store, keys[:n], ids[n * ad.block_tokens :], self.layer_parts
+                    ad, self.store, keys[:n], rest, self._layers, self.layer_parts
                 )
-                if load is not None:
-                    self.layer_load_s = load.seconds
                 if out is not None:  # the fetch ran beside the forward
                     return n, out, 0.0
                 if load is not None and load.error is not None:

@@ -53,13 +53,12 @@ class Caller:
 def _streams(torch: Any, here: int) -> tuple[Any, ...]:
     """The caller's current CUDA streams worth carrying (see the module docstring)."""
     others = []
-    if torch.cuda.device_count() > 1:
-        for i in range(torch.cuda.device_count()):
-            if i == here:
-                continue
-            s = torch.cuda.current_stream(i)  # reads state: no context is made
-            if s != torch.cuda.default_stream(i):
-                others.append(s)
+    for i in range(torch.cuda.device_count()):
+        if i == here:
+            continue
+        s = torch.cuda.current_stream(i)  # reads state: no context is made
+        if s != torch.cuda.default_stream(i):
+            others.append(s)
     return (*others, torch.cuda.current_stream(here))
 
 
